@@ -1,0 +1,89 @@
+"""Acceptance rules: pure functions from one verification pass to (accepted path, next token).
+
+Every rule takes the tree's node tokens [N+1] and the base model's logits at every node [N+1, V]
+(logits[i] is the distribution of the token after node i) and returns the accepted node indices
+(root first) and the token that follows the last of them. `p` is the base model's distribution after
+temperature, top-k and top-p: the same one plain sampling draws from.
+"""
+
+import torch
+
+from .config import GenerationConfig
+from .tree import PAD, Tree
+
+
+def target_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
+    """p: [..., V]. Temperature 0 gives the one-hot argmax, so every rule reduces to greedy."""
+    if config.temperature == 0:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+    logits = logits.float() / config.temperature
+    if config.top_k:
+        kth = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if config.top_p < 1:
+        sorted_probs, order = probs.sort(-1, descending=True)
+        drop = sorted_probs.cumsum(-1) - sorted_probs >= config.top_p  # keeps at least the top token
+        probs = probs.masked_fill(drop.scatter(-1, order, drop), 0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def longest_accepted_path(accepted: torch.Tensor, tree: Tree) -> torch.Tensor:
+    """accepted: [N+1] bool, node i accepted given its parent -> the longest root path of accepted nodes."""
+    leaf_paths = tree.leaf_paths  # [L, D+1]
+    ok = accepted[leaf_paths.clamp_min(0)] & (leaf_paths != PAD)  # padding is never accepted
+    ok[:, 0] = True  # the root was chosen last step
+    lengths = ok.long().cumprod(-1).sum(-1)  # [L]
+    best = int(lengths.argmax())
+    return leaf_paths[best, : int(lengths[best])]
+
+
+def greedy(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):
+    """Lossless: accept a node when it equals the argmax after its parent."""
+    argmax = logits.argmax(-1)  # [N+1]
+    accepted = tokens == argmax[tree.parents.clamp_min(0)]
+    path = longest_accepted_path(accepted, tree)
+    return path, int(argmax[path[-1]])
+
+
+def typical(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):
+    """MEDUSA's typical acceptance: accept x when p(x) > min(epsilon, delta * exp(-H(p)))."""
+    probs = target_probs(logits, config)  # [N+1, V]
+    entropy = -torch.special.xlogy(probs, probs).sum(-1)
+    threshold = torch.minimum(torch.full_like(entropy, config.typical_epsilon), config.typical_delta * (-entropy).exp())
+    parents = tree.parents.clamp_min(0)
+    accepted = probs[parents, tokens] > threshold[parents]
+    path = longest_accepted_path(accepted, tree)
+    return path, sample(probs[path[-1]], generator)
+
+
+def rejection(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):
+    """Exact: recursive rejection sampling over siblings (SpecInfer), so output follows p exactly.
+
+    A candidate x is a deterministic draft (q = one-hot at x): accept it with probability p(x); on
+    rejection remove x from p and renormalise, then try the next sibling; when every sibling is
+    rejected, sample the next token from what remains of p.
+    """
+    probs = target_probs(logits, config)  # [N+1, V]
+    node, path = 0, [0]
+    p = probs[0].clone()
+    while True:
+        for child in tree.children[node]:
+            x = int(tokens[child])
+            if float(torch.rand((), generator=generator)) < p[x]:
+                node = child
+                path.append(child)
+                p = probs[child].clone()
+                break
+            p[x] = 0
+            p = p / p.sum()
+        else:
+            return torch.tensor(path), sample(p, generator)
+
+
+RULES = {"greedy": greedy, "typical": typical, "rejection": rejection}

@@ -1,0 +1,105 @@
+"""MEDUSA heads: K small residual MLPs on the last hidden state; head k guesses token t+k+2.
+
+Head k computes `W2 · (h + SiLU(W1 · h))` (one residual block per layer). W1 starts at zero and
+W2 is the base LM head (shared) or a copy of it (own), so an untrained head repeats the base model.
+"""
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import HeadsConfig
+
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+class ResBlock(nn.Module):
+    """x + SiLU(Linear(x)), zero-initialised so that it starts as the identity."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + nn.functional.silu(self.linear(x))
+
+
+class MedusaHeads(nn.Module):
+    """K heads. `forward(hidden, lm_head)` -> logits [K, ..., V]; `lm_head` is used when shared.
+
+    >>> heads = MedusaHeads(HeadsConfig(hidden_size=576, vocab_size=49152, num_heads=4))
+    >>> heads(torch.zeros(1, 576), lm_head).shape
+    torch.Size([4, 1, 49152])
+    """
+
+    def __init__(self, config: HeadsConfig, lm_head: nn.Linear | None = None):
+        super().__init__()
+        self.config = config
+        own = config.projection == "own"
+        self.heads = nn.ModuleList(
+            nn.Sequential(
+                *(ResBlock(config.hidden_size) for _ in range(config.num_layers)),
+                *([nn.Linear(config.hidden_size, config.vocab_size, bias=False)] if own else []),
+            )
+            for _ in range(config.num_heads)
+        )
+        if own and lm_head is not None:
+            for head in self.heads:
+                head[-1].weight.data.copy_(lm_head.weight.data)
+
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None) -> torch.Tensor:
+        # hidden: [..., H] -> logits: [K, ..., V]
+        if self.config.projection == "own":
+            return torch.stack([head(hidden) for head in self.heads])
+        if lm_head is None:
+            raise ValueError("these heads share the base model's LM head: pass lm_head")
+        return torch.stack([lm_head(head(hidden)) for head in self.heads])
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / CONFIG_NAME).write_text(json.dumps(asdict(self.config), indent=2) + "\n")
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
+
+    @classmethod
+    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "MedusaHeads":
+        directory = Path(directory)
+        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+        for path in (config_path, weights_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"MEDUSA heads: {path} does not exist")
+        try:
+            config = HeadsConfig(**json.loads(config_path.read_text()))
+        except (json.JSONDecodeError, TypeError) as error:
+            raise ValueError(f"MEDUSA heads: {config_path} is not a valid heads config: {error}") from None
+        try:
+            state = load_file(str(weights_path))
+        except (SafetensorError, OSError) as error:
+            raise ValueError(f"MEDUSA heads: {weights_path} is corrupt or unreadable: {error}") from None
+        heads = cls(config)
+        expected = {k: v.shape for k, v in heads.state_dict().items()}
+        found = {k: v.shape for k, v in state.items()}
+        if expected != found:
+            diff = sorted(set(expected.items()) ^ set(found.items()))[:4]
+            raise ValueError(f"MEDUSA heads: {weights_path} does not match {config_path} (first differences: {diff})")
+        heads.load_state_dict(state)
+        return heads.to(dtype) if dtype is not None else heads
+
+    def check_compatible(self, hidden_size: int, vocab_size: int, name: str = "the base model") -> None:
+        """Heads trained for another model must fail loudly, not decode garbage."""
+        mine = (self.config.hidden_size, self.config.vocab_size)
+        if mine != (hidden_size, vocab_size):
+            raise ValueError(
+                f"MEDUSA heads were built for hidden_size={mine[0]}, vocab_size={mine[1]} "
+                f"(base model {self.config.base_model!r}), but {name} has hidden_size={hidden_size}, "
+                f"vocab_size={vocab_size}"
+            )

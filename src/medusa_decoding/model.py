@@ -1,0 +1,205 @@
+"""MedusaModel: a `transformers` causal LM, its tokenizer, MEDUSA heads and a tree, behind one API.
+
+>>> medusa = MedusaModel.from_pretrained()              # the embedded SmolLM2-135M-Instruct
+>>> out = medusa.generate("Name three colours.", max_new_tokens=32)
+>>> out.text, out.acceleration_rate
+"""
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from . import default_model
+from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
+from .decoding import decode
+from .heads import MedusaHeads
+from .tree import Tree
+
+TREE_NAME = "tree.json"
+
+
+@dataclass
+class GenerationOutput:
+    """What one request produced. accept_lengths: tokens per forward pass, the prefill's 1 first."""
+
+    token_ids: list[int] = field(default_factory=list)  # generated tokens only
+    accept_lengths: list[int] = field(default_factory=list)
+    text: str = ""
+    seconds: float = 0.0
+
+    @property
+    def steps(self) -> int:
+        return len(self.accept_lengths)
+
+    @property
+    def acceleration_rate(self) -> float:
+        return len(self.token_ids) / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.token_ids) / self.seconds if self.seconds else 0.0
+
+
+class MedusaModel:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        heads: MedusaHeads,
+        tree: Tree | None = None,
+    ):
+        config = model.config.get_text_config()
+        heads.check_compatible(config.hidden_size, model.get_output_embeddings().weight.shape[0], model.name_or_path)
+        self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
+        self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
+        self.tree.check_heads(heads.config.num_heads)
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+        self.eos_ids = frozenset(e for e in eos if e is not None)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model: str | os.PathLike | None = None,
+        heads: str | os.PathLike | MedusaHeads | None = None,
+        *,
+        tree=None,
+        num_heads: int = 4,
+        num_layers: int = 1,
+        projection: str = "shared",
+        dtype: torch.dtype | None = None,
+        device: str | torch.device | None = None,
+    ) -> "MedusaModel":
+        """Base model (path or hub id; None: the embedded default) plus heads (directory; None: untrained).
+
+        tree: a Tree, a path list, Cartesian sizes, or None for the heads' own `tree.json` or the default.
+        """
+        base, tokenizer = load_base(model, dtype, device)
+        if heads is None and model is None:
+            heads = default_model.shipped_heads()
+        if isinstance(heads, (str, os.PathLike)):
+            heads_dir = Path(heads)
+            heads = MedusaHeads.from_pretrained(heads_dir)
+            if tree is None and (heads_dir / TREE_NAME).is_file():
+                tree = json.loads((heads_dir / TREE_NAME).read_text())
+        if heads is None:
+            config = base.config.get_text_config()
+            heads = MedusaHeads(
+                HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection, base.name_or_path),
+                base.get_output_embeddings(),
+            )
+        return cls(base, tokenizer, heads, tree if isinstance(tree, Tree) or tree is None else Tree.from_spec(tree))
+
+    def save_pretrained(self, directory: str | os.PathLike) -> None:
+        """The heads (safetensors + config.json) and the tree they decode with."""
+        self.heads.save_pretrained(directory)
+        (Path(directory) / TREE_NAME).write_text(json.dumps([list(p) for p in self.tree.paths]) + "\n")
+
+    def encode(self, prompt=None, *, messages=None, raw: bool = False) -> torch.Tensor:
+        """A prompt string (chat-templated unless raw), chat messages, or token ids -> ids [T]."""
+        if messages is None and isinstance(prompt, str) and not raw and self.tokenizer.chat_template:
+            messages = [{"role": "user", "content": prompt}]
+        if messages is not None:
+            if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+                raise ValueError("the prompt is empty: messages hold no content")
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("the prompt is empty: nothing to continue")
+            ids = self.tokenizer(prompt)["input_ids"]
+        elif prompt is not None:
+            ids = prompt
+        else:
+            raise ValueError("give a prompt, messages or token ids")
+        ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+        if ids.numel() == 0:
+            raise ValueError("the prompt is empty: nothing to continue")
+        return ids.to(self.model.device)
+
+    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None):
+        """Yields (new token ids, text so far) after each forward pass, stop strings applied."""
+        ids = self.encode(prompt, messages=messages, raw=raw)
+        generator = None
+        if config.temperature > 0:
+            generator = torch.Generator(self.model.device)
+            generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        if streamer is not None:
+            streamer.put(ids[None].cpu())
+        generated: list[int] = []
+        for new in decode(self.model, self.heads, ids, config, self.tree, self.eos_ids, generator):
+            start = len(generated)
+            generated += new
+            text = self.decode(generated)
+            stop_at = first_stop(text, config.stop)
+            if stop_at is not None:  # keep the tokens up to the one that completes the stop string
+                end = next(n for n in range(start + 1, len(generated) + 1) if first_stop(self.decode(generated[:n]), config.stop) is not None)
+                new, generated, text = new[: end - start], generated[:end], text[:stop_at]
+            if streamer is not None:
+                streamer.put(torch.tensor(new))
+            yield new, text
+            if stop_at is not None:
+                break
+        if streamer is not None:
+            streamer.end()
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def generate(self, prompt=None, *, messages=None, raw=False, config=None, streamer=None, **overrides) -> GenerationOutput:
+        """Runs to the end. overrides: any GenerationConfig field (max_new_tokens=..., temperature=...)."""
+        config = replace(config or GenerationConfig(), **overrides)
+        out = GenerationOutput()
+        start = time.perf_counter()
+        for new, out.text in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
+            out.token_ids += new
+            out.accept_lengths.append(len(new))
+        out.seconds = time.perf_counter() - start
+        return out
+
+    def stream(self, prompt=None, *, messages=None, raw=False, config=None, **overrides) -> Iterator[str]:
+        """Yields text as it is accepted; holds back an incomplete character or a possible stop string."""
+        config = replace(config or GenerationConfig(), **overrides)
+        sent, text = 0, ""
+        for _, text in self.steps(prompt, messages=messages, raw=raw, config=config):
+            ready = len(text) - held_back(text, config.stop)
+            if ready > sent:
+                yield text[sent:ready]
+                sent = ready
+        if len(text) > sent:
+            yield text[sent:]
+
+
+def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
+    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
+    return min(hits) if hits else None
+
+
+def held_back(text: str, stops: tuple[str, ...]) -> int:
+    """How many trailing characters may still turn into a stop string or a whole character."""
+    if text.endswith("\ufffd"):
+        return 1
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def load_base(model, dtype=None, device=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A base model and tokenizer from a directory or hub id; None: the embedded default."""
+    if model is None:
+        path = default_model.converted_dir()
+    else:
+        path = Path(model)
+        looks_local = path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1
+        if looks_local and not path.expanduser().exists():
+            raise FileNotFoundError(f"model: {model} does not exist")
+        path = path.expanduser() if path.expanduser().exists() else str(model)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as error:
+        raise OSError(f"model: could not load {model!r}: {error}") from None
+    return base.to(device) if device is not None else base, tokenizer

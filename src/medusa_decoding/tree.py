@@ -1,0 +1,131 @@
+"""The candidate tree: which head/rank feeds each node, and who may attend to whom.
+
+Node 0 is the root: the token already chosen from the base model's last distribution. Node i > 0 is
+given by its path (r_1, ..., r_d): it holds the rank-r_d token of head d-1 (head d-1 guesses the token
+d places after the root). Nodes are ordered by depth, so parents come before children.
+"""
+
+import itertools
+import json
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+
+PAD = -1  # fills leaf paths shorter than the deepest one; never a node, never a token
+
+
+@dataclass(frozen=True)
+class Tree:
+    """All index tensors of a tree, built once and reused every step.
+
+    >>> tree = Tree.from_spec([[0], [1], [0, 0]])
+    >>> tree.leaf_paths.tolist()   # node indices from the root, PAD-filled
+    [[0, 1, 3], [0, 2, -1]]
+    """
+
+    paths: tuple[tuple[int, ...], ...]  # [N] paths of the non-root nodes, in node order 1..N
+    attention: torch.Tensor  # [N+1, N+1] bool: node i may attend to node j (j is i or an ancestor)
+    depths: torch.Tensor  # [N+1] 0 for the root
+    parents: torch.Tensor  # [N+1] PAD for the root
+    heads: torch.Tensor  # [N] which head proposes node i+1
+    ranks: torch.Tensor  # [N] which rank of that head's top-k
+    leaf_paths: torch.Tensor  # [L, D+1] root-to-leaf node indices, PAD-filled
+    children: tuple[tuple[int, ...], ...]  # [N+1] each node's children, by rank
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def depth(self) -> int:
+        return max((len(p) for p in self.paths), default=0)
+
+    def topk_per_head(self) -> int:
+        return max((p[-1] for p in self.paths), default=-1) + 1
+
+    @staticmethod
+    def from_spec(spec) -> "Tree":
+        """A list of paths ([[0], [0, 0], [1], ...]) or Cartesian sizes ([s1, ..., sK])."""
+        if isinstance(spec, (list, tuple)) and spec and all(isinstance(s, int) for s in spec):
+            return cartesian(tuple(spec))
+        if not isinstance(spec, (list, tuple)) or not all(isinstance(p, (list, tuple)) for p in spec):
+            raise ValueError(f"tree: expected a list of paths or a list of sizes, got {spec!r}")
+        return build(tuple(tuple(p) for p in spec))
+
+    def truncated(self, max_depth: int) -> "Tree":
+        """The same tree without nodes deeper than max_depth (used near the token budget's end)."""
+        if max_depth >= self.depth:
+            return self
+        return build(tuple(p for p in self.paths if len(p) <= max_depth))
+
+    def check_heads(self, num_heads: int) -> None:
+        if self.depth > num_heads:
+            raise ValueError(f"tree: depth {self.depth} needs {self.depth} heads, but only {num_heads} exist")
+
+
+def parse_spec(text: str) -> Tree:
+    """A tree from the CLI: inline JSON or a JSON file holding paths or Cartesian sizes."""
+    path = Path(text)
+    try:
+        spec = json.loads(path.read_text() if path.is_file() else text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"tree: {text!r} is neither a JSON file nor inline JSON ({error})") from None
+    return Tree.from_spec(spec)
+
+
+def cartesian(sizes: tuple[int, ...]) -> Tree:
+    if any(s < 1 for s in sizes):
+        raise ValueError(f"tree: Cartesian sizes must be positive, got {list(sizes)}")
+    paths = [p for d in range(1, len(sizes) + 1) for p in itertools.product(*(range(s) for s in sizes[:d]))]
+    return build(tuple(paths))
+
+
+def build(paths: tuple[tuple[int, ...], ...]) -> Tree:
+    """Checks the paths, then builds (cached: the loop asks for the same trees every step)."""
+    for path in paths:
+        if not path or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+            raise ValueError(f"tree: each path must be a non-empty list of integer ranks, got {list(path)}")
+        if any(r < 0 for r in path):
+            raise ValueError(f"tree: negative rank in path {list(path)}")
+    if len(set(paths)) != len(paths):
+        raise ValueError("tree: duplicate paths")
+    known = set(paths)
+    for path in paths:
+        if len(path) > 1 and path[:-1] not in known:
+            raise ValueError(f"tree: not prefix-closed: {list(path)} has no parent {list(path[:-1])}")
+    return _build(tuple(sorted(paths, key=lambda p: (len(p), p))))
+
+
+@lru_cache(maxsize=64)
+def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
+    paths = tuple(sorted(paths, key=lambda p: (len(p), p)))
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    index[()] = 0
+    n = len(paths) + 1
+    parents = [-1] + [index[p[:-1]] for p in paths]
+    attention = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        attention[i] |= attention[parents[i]]
+    children = [[] for _ in range(n)]
+    for i in range(1, n):
+        children[parents[i]].append(i)  # paths are sorted, so siblings come by rank
+    leaves = [i for i in range(n) if not children[i]]
+    depth = max((len(p) for p in paths), default=0)
+    leaf_paths = torch.full((len(leaves), depth + 1), PAD, dtype=torch.long)
+    for row, leaf in enumerate(leaves):
+        chain = [leaf]
+        while chain[-1] != 0:
+            chain.append(parents[chain[-1]])
+        leaf_paths[row, : len(chain)] = torch.tensor(chain[::-1])
+    return Tree(
+        paths=paths,
+        attention=attention,
+        depths=torch.tensor([0] + [len(p) for p in paths]),
+        parents=torch.tensor(parents),
+        heads=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
+        ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
+        leaf_paths=leaf_paths,
+        children=tuple(tuple(c) for c in children),
+    )
