@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random-weight models of each supported family, and the embedded default."""
+
+import pytest
+import torch
+import transformers
+
+VOCAB = 96
+HIDDEN = 32
+
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 8}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": None}),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
+}
+FAMILIES = tuple(TINY_CONFIGS)
+
+
+def tiny_model(family: str, seed: int = 0, vocab_size: int = VOCAB, eos_token_id: int | None = None):
+    """A randomly initialised 2-layer model of `family`, in eval mode, fp32."""
+    config_cls, model_cls, extra = TINY_CONFIGS[family]
+    if family == "gpt2":
+        shape = dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=1024)
+    else:
+        shape = dict(
+            hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024,
+        )
+    config = getattr(transformers, config_cls)(
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=None, **shape, **extra
+    )
+    torch.manual_seed(seed)
+    return getattr(transformers, model_cls)(config).eval()
+
+
+@pytest.fixture(params=FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def smollm():
+    """The embedded default (SmolLM2-135M-Instruct) with untrained heads, loaded once per session."""
+    from medusa_decoding import MedusaModel
+
+    return MedusaModel.from_pretrained()
