@@ -7,6 +7,7 @@ d places after the root). Nodes are ordered by depth, so parents come before chi
 
 import itertools
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -67,9 +68,8 @@ class Tree:
 
 def parse_spec(text: str) -> Tree:
     """A tree from the CLI: inline JSON or a JSON file holding paths or Cartesian sizes."""
-    path = Path(text)
-    try:
-        spec = json.loads(path.read_text() if path.is_file() else text)
+    try:  # os.path.isfile, unlike Path.is_file, is False for a text too long to be a file name
+        spec = json.loads(Path(text).read_text() if os.path.isfile(text) else text)
     except json.JSONDecodeError as error:
         raise ValueError(f"tree: {text!r} is neither a JSON file nor inline JSON ({error})") from None
     return Tree.from_spec(spec)
