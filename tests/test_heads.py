@@ -1,0 +1,143 @@
+"""MEDUSA heads: untrained heads repeat the base model, save/load round trips, loud errors."""
+
+import json
+import re
+from dataclasses import asdict, replace
+
+import pytest
+import torch
+from conftest import FAMILIES, HIDDEN, VOCAB, tiny_model
+
+from medusa_decoding import MedusaModel
+from medusa_decoding.config import HeadsConfig
+from medusa_decoding.heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
+
+CONFIG = HeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, num_layers=2, base_model="tiny")
+
+
+def perturbed(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
+    """Heads whose every weight is random, so a round trip that drops or mixes up one is caught."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator))
+    return heads
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_untrained_heads_give_the_base_logits_exactly(family, projection, num_layers):
+    model = tiny_model(family)
+    lm_head = model.get_output_embeddings()
+    heads = MedusaHeads(replace(CONFIG, projection=projection, num_layers=num_layers), lm_head)
+    hidden = torch.randn(5, HIDDEN)
+    with torch.no_grad():
+        logits = heads(hidden, lm_head if projection == "shared" else None)
+        assert logits.shape == (3, 5, VOCAB)
+        for k in range(3):
+            assert torch.equal(logits[k], lm_head(hidden))
+        one = heads(hidden[0], lm_head)  # one vector, as the decoding loop calls it: [K, V]
+        assert one.shape == (3, VOCAB) and all(torch.equal(row, lm_head(hidden[0])) for row in one)
+
+
+def test_shared_heads_need_the_lm_head():
+    with pytest.raises(ValueError, match="pass lm_head"):
+        MedusaHeads(CONFIG)(torch.zeros(HIDDEN))
+
+
+@pytest.mark.parametrize("projection", ["shared", "own"])
+def test_save_and_load_round_trip_bit_identical(tmp_path, projection):
+    config = replace(CONFIG, projection=projection)
+    heads = perturbed(MedusaHeads(config))
+    heads.save_pretrained(tmp_path / "heads")
+    assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    saved = json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())
+    assert saved == {
+        "base_model": "tiny", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 3, "num_layers": 2,
+        "projection": projection,
+    }
+    loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
+    assert loaded.config == config
+    mine, theirs = heads.state_dict(), loaded.state_dict()
+    assert mine.keys() == theirs.keys()
+    for name in mine:
+        assert torch.equal(mine[name], theirs[name]), name
+    lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    hidden = torch.randn(2, HIDDEN)
+    with torch.no_grad():
+        assert torch.equal(heads(hidden, lm_head), loaded(hidden, lm_head))
+    assert MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype == torch.bfloat16
+
+
+@pytest.fixture
+def saved(tmp_path):
+    MedusaHeads(CONFIG).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def test_missing_directory_or_file(tmp_path, saved):
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        MedusaHeads.from_pretrained(tmp_path / "nowhere")
+    (saved / WEIGHTS_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(str(saved))):
+        MedusaHeads.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated", "empty"])
+def test_corrupt_weights_file(saved, damage):
+    weights = saved / WEIGHTS_NAME
+    data = weights.read_bytes()
+    weights.write_bytes({"garbage": b"\x07not safetensors" * 8, "truncated": data[: len(data) // 2], "empty": b""}[damage])
+    with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is corrupt or unreadable"):
+        MedusaHeads.from_pretrained(saved)
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{not json", "is not a valid heads config"),
+    ('{"hidden_size": 32, "vocab_size": 96, "colour": "red"}', "is not a valid heads config"),
+    ('{"hidden_size": 32}', "is not a valid heads config"),
+    ('{"hidden_size": 32, "vocab_size": 96, "projection": "both"}', "projection must be one of"),
+    ('{"hidden_size": "32", "vocab_size": 96}', "hidden_size must be a positive integer"),
+])
+def test_bad_config_file(saved, text, message):
+    (saved / CONFIG_NAME).write_text(text)
+    with pytest.raises(ValueError, match=message):
+        MedusaHeads.from_pretrained(saved)
+
+
+OWN = {"projection": "own"}
+
+
+@pytest.mark.parametrize("saved_as, written", [
+    ({}, {"num_heads": 4}),
+    ({}, {"num_layers": 1}),
+    ({}, {"hidden_size": 16}),
+    ({}, OWN),
+    (OWN, {}),
+    (OWN, {**OWN, "vocab_size": 95}),  # shared heads hold no vocab-sized tensor: check_compatible's job
+])
+def test_config_that_does_not_match_the_weights(tmp_path, saved_as, written):
+    MedusaHeads(replace(CONFIG, **saved_as)).save_pretrained(tmp_path)
+    (tmp_path / CONFIG_NAME).write_text(json.dumps(asdict(replace(CONFIG, **written))))
+    with pytest.raises(ValueError, match=f"MEDUSA heads: .*{re.escape(str(tmp_path))}.* config"):
+        MedusaHeads.from_pretrained(tmp_path)
+
+
+def test_check_compatible_names_what_differs():
+    heads = MedusaHeads(CONFIG)
+    heads.check_compatible(HIDDEN, VOCAB)
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*'tiny'.*other has hidden_size=64, vocab_size=96"):
+        heads.check_compatible(64, VOCAB, "other")
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*has hidden_size=32, vocab_size=100"):
+        heads.check_compatible(HIDDEN, 100)
+
+
+def test_medusa_model_refuses_heads_of_another_model(smollm):
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .* has hidden_size=576, vocab_size=49152"):
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(CONFIG))
+    config = smollm.heads.config
+    with pytest.raises(ValueError, match="vocab_size=49151"):
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, vocab_size=config.vocab_size - 1)))
+    with pytest.raises(ValueError, match="depth 3 needs 3 heads, but only 2 exist"):
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)), smollm.tree.from_spec([1, 1, 1]))
