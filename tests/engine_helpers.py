@@ -1,0 +1,95 @@
+"""Models and heads for the end-to-end engine tests: lively tiny models, random heads, oracle heads."""
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from medusa_decoding.config import HeadsConfig
+from medusa_decoding.heads import MedusaHeads
+
+WEIGHT_STD = 0.3  # tiny models at their init scale (0.02) repeat one token; this makes them wander
+ORACLE_RANK0, ORACLE_RANK1 = 0.7, 0.9  # luck below 0.7: rank 0, below 0.9: rank 1, else not proposed
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny models gain nothing from threads, and on a shared CPU two threads thrash (20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
+    """A tiny model whose weight matrices are redrawn with std WEIGHT_STD: varied greedy continuations."""
+    model = tiny_model(family, seed=seed, **kw)
+    model.config._attn_implementation = attn
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.ndim == 2:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * WEIGHT_STD)
+    return model
+
+
+def random_heads(model, num_heads: int = 4, seed: int = 0) -> MedusaHeads:
+    """Shared-projection heads with random residual blocks: their guesses are mostly wrong."""
+    config = model.config.get_text_config()
+    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads))
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for parameter in heads.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * WEIGHT_STD)
+    return heads.eval()
+
+
+def greedy_reference(model, prompt: torch.Tensor, max_new_tokens: int, eos: int | None = None) -> list[int]:
+    """`transformers`' own greedy continuation of prompt [T]: the output MEDUSA must reproduce."""
+    out = model.generate(
+        prompt[None], attention_mask=torch.ones_like(prompt)[None], max_new_tokens=max_new_tokens,
+        do_sample=False, eos_token_id=eos, pad_token_id=eos if eos is not None else 0,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+class OracleHeads(torch.nn.Module):
+    """Heads that know the greedy continuation `sequence` (prompt + continuation, [S]).
+
+    They find where decoding stands by the nearest of the base model's hidden states over `sequence`,
+    then head k proposes the true token k+2 places ahead at rank 0 mostly, at rank 1 or not at all
+    sometimes (fixed per position and head by `luck`), so long paths are accepted and some are cut.
+    """
+
+    def __init__(self, model, sequence: torch.Tensor, num_heads: int = 4, seed: int = 0):
+        super().__init__()
+        with torch.no_grad():
+            reference = model.base_model(input_ids=sequence[None]).last_hidden_state[0]  # [S, H]
+        vocab_size = model.get_output_embeddings().weight.shape[0]
+        self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads)
+        generator = torch.Generator().manual_seed(seed)
+        self.register_buffer("reference", reference)
+        self.register_buffer("sequence", sequence.clone())
+        self.register_buffer("noise", torch.randn(len(sequence), num_heads, vocab_size, generator=generator))
+        self.register_buffer("luck", torch.rand(len(sequence), num_heads, generator=generator))
+
+    check_compatible = MedusaHeads.check_compatible
+
+    def forward(self, hidden: torch.Tensor, lm_head=None) -> torch.Tensor:
+        # hidden: [..., H] -> logits: [K, ..., V]
+        flat = hidden.reshape(-1, hidden.shape[-1]).to(self.reference.dtype)
+        positions = torch.cdist(flat, self.reference).argmin(-1)  # [B]
+        logits = self.noise[positions].clone()  # [B, K, V]; noise is far below the planted values
+        for b, position in enumerate(positions.tolist()):
+            for k in range(self.config.num_heads):
+                ahead = position + k + 2
+                if ahead >= len(self.sequence):
+                    continue
+                token, luck = int(self.sequence[ahead]), float(self.luck[position, k])
+                if luck < ORACLE_RANK0:
+                    logits[b, k, token] = 100
+                elif luck < ORACLE_RANK1:
+                    logits[b, k, (token + 1) % self.config.vocab_size] = 100
+                    logits[b, k, token] = 50
+                else:
+                    logits[b, k, token] = -100
+        return logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)

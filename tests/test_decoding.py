@@ -1,0 +1,226 @@
+"""THE lossless tests: greedy MEDUSA decoding reproduces `transformers`' own greedy output token for token.
+
+Every family, both attention implementations, random heads (mostly wrong guesses) and oracle heads (mostly
+right, so long paths are committed), several trees, EOS inside an accepted path, the token budget's end,
+the context limit; then the embedded SmolLM2 through the public API. `cache.commit` is checked here too,
+against the cache of the accepted tokens run one by one.
+"""
+
+import functools
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_model
+from engine_helpers import OracleHeads, greedy_reference, lively_model, one_thread, random_heads
+from transformers import DynamicCache
+
+from medusa_decoding import MedusaModel, decoding
+from medusa_decoding.cache import commit
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
+from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
+from medusa_decoding.tree import Tree
+
+ATTENTION = ("sdpa", "eager")
+WIDE_SPARSE = [[r] for r in range(8)] + [[0, 0], [0, 3], [2, 0], [7, 0], [0, 0, 0], [0, 0, 1], [0, 3, 0], [0, 0, 0, 0]]
+TREES = {"chain": [1, 1, 1, 1], "3x2x2": [3, 2, 2], "default": DEFAULT_TREE, "wide-sparse": WIDE_SPARSE, "plain": []}
+NEW_TOKENS = 64
+LONG = 320
+PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
+MIN_TOKENS_PER_STEP = 2.0  # oracle heads must make MEDUSA accept long paths, or the test proves little
+SMOL_PROMPT = "Explain what a hash table is in two sentences."
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: torch.nn.Module
+    reference: list[int]  # transformers' greedy continuation of PROMPT
+    oracle: OracleHeads
+
+
+@functools.lru_cache(maxsize=None)
+def case(family: str, attention: str = "sdpa", new_tokens: int = NEW_TOKENS) -> Case:
+    seed = FAMILIES.index(family)  # else llama, qwen2 and mistral would get the very same weights
+    model = lively_model(family, attention, seed)
+    reference = greedy_reference(model, PROMPT, new_tokens)
+    return Case(model, reference, OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]), seed=seed))
+
+
+def run(model, heads, tree, max_new_tokens=NEW_TOKENS, prompt=PROMPT, eos_ids=frozenset(), medusa=True):
+    """The tokens of each forward pass, as decode yields them."""
+    config = GenerationConfig(max_new_tokens=max_new_tokens, medusa=medusa)
+    return list(decode(model, heads, prompt, config, Tree.from_spec(tree), frozenset(eos_ids)))
+
+
+def flat(steps: list[list[int]]) -> list[int]:
+    return [token for step in steps for token in step]
+
+
+def tokens_per_step(steps: list[list[int]]) -> float:
+    """Mean tokens per verification pass (the prefill's single token left out)."""
+    return (len(flat(steps)) - 1) / (len(steps) - 1)
+
+
+@pytest.mark.parametrize("tree", TREES.values(), ids=TREES)
+@pytest.mark.parametrize("heads", ["random", "oracle"])
+@pytest.mark.parametrize("attention", ATTENTION)
+def test_greedy_medusa_equals_generate(family, attention, heads, tree):
+    c = case(family, attention)
+    steps = run(c.model, c.oracle if heads == "oracle" else random_heads(c.model), tree)
+    assert steps[0] == c.reference[:1]
+    assert flat(steps) == c.reference
+    assert all(1 <= len(step) <= Tree.from_spec(tree).depth + 1 for step in steps)
+    if heads == "oracle" and tree:
+        assert tokens_per_step(steps) > MIN_TOKENS_PER_STEP
+
+
+@pytest.mark.parametrize("heads", ["random", "oracle"])
+def test_long_generation(heads):
+    c = case("qwen2", "sdpa", LONG)
+    steps = run(c.model, c.oracle if heads == "oracle" else random_heads(c.model), DEFAULT_TREE, LONG)
+    assert len(c.reference) == LONG and flat(steps) == c.reference
+
+
+def test_plain_mode_is_one_token_per_step(family):
+    c = case(family)
+    for heads in (c.oracle, None):
+        steps = run(c.model, heads, DEFAULT_TREE, medusa=False)
+        assert flat(steps) == c.reference
+        assert [len(step) for step in steps] == [1] * NEW_TOKENS
+
+
+def first_eos_inside_a_path(steps: list[list[int]]) -> tuple[int, int]:
+    """A token first seen between two other tokens of one step -> (token, its index in the output)."""
+    seen, index = set(), 0
+    for step in steps:
+        for i, token in enumerate(step):
+            if 0 < i < len(step) - 1 and token not in seen:
+                return token, index
+            seen.add(token)
+            index += 1
+    raise AssertionError("no step accepted a path with a new token inside it: pick another prompt")
+
+
+@pytest.mark.parametrize("tree", ["chain", "default"])
+def test_eos_inside_an_accepted_path(family, tree):
+    c = case(family)
+    free = run(c.model, c.oracle, TREES[tree])
+    eos, index = first_eos_inside_a_path(free)
+    expected = greedy_reference(c.model, PROMPT, NEW_TOKENS, eos=eos)
+    assert expected == c.reference[: index + 1]  # generate stops right after that EOS
+    steps = run(c.model, c.oracle, TREES[tree], eos_ids={eos})
+    assert flat(steps) == expected
+    last = len(steps) - 1
+    assert steps[:last] == free[:last] and steps[last][-1] == eos
+    assert 1 < len(steps[last]) < len(free[last])  # accepted tokens before it kept, after it dropped
+
+
+def test_eos_as_the_first_token():
+    c = case("llama")
+    assert run(c.model, c.oracle, DEFAULT_TREE, eos_ids={c.reference[0]}) == [c.reference[:1]]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_max_new_tokens_is_exact(family, monkeypatch):
+    """Every budget gives exactly that many tokens, and no pass verifies a node past the budget."""
+    c = case(family)
+    passes = []
+
+    def spy(model, cache, tokens, tree, prefix_len):
+        passes.append(prefix_len + tree.depth + 1)  # tokens known after this pass, at most
+        return verify(model, cache, tokens, tree, prefix_len)
+
+    monkeypatch.setattr(decoding, "verify", spy)
+    long_last_steps = 0
+    for budget in range(1, 16):
+        passes.clear()
+        steps = run(c.model, c.oracle, [1, 1, 1, 1], budget)
+        assert flat(steps) == c.reference[:budget]
+        assert all(known <= len(PROMPT) + budget for known in passes)
+        long_last_steps += len(steps[-1]) > 1
+    assert long_last_steps >= 5  # paths were accepted right up to the budget's end
+
+
+def test_context_limit_reached_exactly():
+    """gpt2 has absolute positions: a node placed past the context would fail to embed."""
+    model = lively_model("gpt2")
+    limit = context_limit(model)
+    prompt = torch.randint(0, 96, (limit - 20,), generator=torch.Generator().manual_seed(0))
+    reference = greedy_reference(model, prompt, 20)
+    oracle = OracleHeads(model, torch.cat([prompt, torch.tensor(reference)]))
+    assert flat(run(model, oracle, [3, 2, 2], 20, prompt)) == reference
+
+
+def test_prompt_over_the_context_fails_before_any_work():
+    model = tiny_model("llama")
+    calls = []
+    model.base_model.register_forward_pre_hook(lambda *args: calls.append(1))
+    prompt = torch.zeros(1000, dtype=torch.long)
+    message = r"prompt \(1000 tokens\) \+ max_new_tokens \(25\) = 1025 exceeds the model's context of 1024 tokens"
+    with pytest.raises(ValueError, match=message):
+        run(model, random_heads(model), DEFAULT_TREE, 25, prompt)
+    assert calls == []
+
+
+def test_sliding_window_bounds_the_context():
+    model = tiny_model("mistral")
+    model.config.sliding_window = 64
+    assert context_limit(model) == 64
+    check_context(model, 60, 4)
+    with pytest.raises(ValueError, match="context of 64 tokens"):
+        check_context(model, 60, 5)
+
+
+def test_empty_prompt():
+    model = tiny_model("qwen2")
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        run(model, random_heads(model), DEFAULT_TREE, prompt=torch.zeros(0, dtype=torch.long))
+
+
+# DEFAULT_TREE's nodes: 1 (0,)  2 (1,)  3 (2,)  4 (0,0)  5 (0,1)  6 (1,0)  7 (0,0,0)  8 (0,0,0,0)
+@pytest.mark.parametrize("path", [[0], [0, 1], [0, 3], [0, 2, 6], [0, 1, 5], [0, 1, 4, 7, 8]])
+def test_commit_matches_the_accepted_tokens_run_in_order(family, path):
+    model = lively_model(family)
+    tree = Tree.from_spec(DEFAULT_TREE)
+    tokens = torch.randint(0, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        cache, _, _ = prefill(model, PROMPT)
+        verify(model, cache, tokens, tree, len(PROMPT))
+        commit(cache, len(PROMPT), torch.tensor(path))
+        reference = DynamicCache()
+        model.base_model(input_ids=torch.cat([PROMPT, tokens[path]])[None], past_key_values=reference, use_cache=True)
+    assert cache.get_seq_length() == reference.get_seq_length() == len(PROMPT) + len(path)
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def smol_reference(smollm):
+    ids = smollm.encode(SMOL_PROMPT)
+    with torch.no_grad():
+        out = smollm.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False, max_new_tokens=NEW_TOKENS)
+    return ids, out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("heads", ["untrained", "oracle"])
+def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
+    ids, expected = smol_reference
+    medusa = smollm
+    if heads == "oracle":
+        oracle = OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]))
+        medusa = MedusaModel(smollm.model, smollm.tokenizer, oracle, smollm.tree)
+    out = medusa.generate(SMOL_PROMPT, max_new_tokens=NEW_TOKENS)
+    assert out.token_ids == expected
+    assert sum(out.accept_lengths) == len(expected)
+    if heads == "oracle":
+        assert out.acceleration_rate > MIN_TOKENS_PER_STEP
+
+
+def test_smollm_rejects_bad_prompts_before_any_work(smollm):
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        smollm.generate("", raw=True)
+    with pytest.raises(ValueError, match="exceeds the model's context of 8192 tokens"):
+        smollm.generate(list(range(8000)), max_new_tokens=200)
