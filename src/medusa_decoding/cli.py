@@ -5,7 +5,7 @@ import json
 import sys
 from dataclasses import fields
 
-from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, GenerationConfig
+from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig
 
 DEFAULTS = GenerationConfig()
 
@@ -78,6 +78,23 @@ def cmd_demo(args) -> None:
               f"plain {plain.tokens_per_s:6.1f} tok/s   identical: {out.token_ids == plain.token_ids}\n")
 
 
+def cmd_export(args) -> None:
+    from .formats import export
+
+    medusa = load(args)  # heads in any layout; the base model supplies a shared LM head and the vocab size
+    export(medusa.heads, args.out, args.format, medusa.model.get_output_embeddings())
+    print(f"wrote {medusa.heads.config.num_heads} heads in the {args.format} layout to {args.out}")
+
+
+def cmd_chat(args) -> None:
+    from .chat import chat
+
+    try:
+        chat(load(args), generation_config(args))
+    except KeyboardInterrupt:  # Ctrl-C while the model loads: leave as quietly as chat() does
+        print()
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="medusa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -94,6 +111,17 @@ def main(argv=None) -> None:
     add_model_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.set_defaults(run=cmd_demo)
+
+    p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
+    add_model_arguments(p)
+    p.set_defaults(run=cmd_export)
+
+    p = sub.add_parser("chat", help="multi-turn chat in the terminal: /reset, /stats, /exit")
+    add_model_arguments(p)
+    add_sampling_arguments(p)
+    p.set_defaults(run=cmd_chat)
 
     args = parser.parse_args(argv)
     try:

@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 PROJECTIONS = ("shared", "own")
+EXPORT_FORMATS = ("vllm", "reference")  # `medusa export` targets; formats.py reads these and more
 
 # A small sparse tree (published MEDUSA path format: each path lists the rank taken in each head's
 # top-k). Kept small because on a CPU every extra node costs time; `medusa calibrate` replaces it.

@@ -71,26 +71,30 @@ class MedusaHeads(nn.Module):
         save_file(state, str(directory / WEIGHTS_NAME), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, directory: str | Path, dtype: torch.dtype | None = None) -> "MedusaHeads":
+    def from_pretrained(
+        cls, directory: str | Path, dtype: torch.dtype | None = None, vocab_size: int | None = None
+    ) -> "MedusaHeads":
+        """Heads in any layout of formats.py (ours, reference MEDUSA-1/-2, vLLM), told apart by their files.
+
+        vocab_size: the base model's; read only for shared-projection heads whose files record none.
+        """
+        from . import formats  # formats builds on this module
+
         directory = Path(directory)
-        config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
-        for path in (config_path, weights_path):
-            if not path.is_file():
-                raise FileNotFoundError(f"MEDUSA heads: {path} does not exist")
-        try:
-            config = HeadsConfig(**json.loads(config_path.read_text()))
-        except (json.JSONDecodeError, TypeError) as error:
-            raise ValueError(f"MEDUSA heads: {config_path} is not a valid heads config: {error}") from None
-        try:
-            state = load_file(str(weights_path))
-        except (SafetensorError, OSError) as error:
-            raise ValueError(f"MEDUSA heads: {weights_path} is corrupt or unreadable: {error}") from None
+        layout = formats.detect(directory)
+        if layout == formats.NATIVE:
+            config, state = read_native(directory)
+        else:
+            config, state = formats.read(directory, layout, vocab_size)
         heads = cls(config)
         expected = {k: v.shape for k, v in heads.state_dict().items()}
         found = {k: v.shape for k, v in state.items()}
         if expected != found:
             diff = sorted(set(expected.items()) ^ set(found.items()))[:4]
-            raise ValueError(f"MEDUSA heads: {weights_path} does not match {config_path} (first differences: {diff})")
+            raise ValueError(
+                f"MEDUSA heads: the tensors in {directory} ({layout} layout) are inconsistent with its config "
+                f"(first differences: {diff})"
+            )
         heads.load_state_dict(state)
         return heads.to(dtype) if dtype is not None else heads
 
@@ -103,3 +107,19 @@ class MedusaHeads(nn.Module):
                 f"(base model {self.config.base_model!r}), but {name} has hidden_size={hidden_size}, "
                 f"vocab_size={vocab_size}"
             )
+
+
+def read_native(directory: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+    """Our own layout: config.json + model.safetensors, as save_pretrained writes them."""
+    config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise FileNotFoundError(f"MEDUSA heads: {path} does not exist")
+    try:
+        config = HeadsConfig(**json.loads(config_path.read_text()))
+    except (json.JSONDecodeError, TypeError) as error:
+        raise ValueError(f"MEDUSA heads: {config_path} is not a valid heads config: {error}") from None
+    try:
+        return config, load_file(str(weights_path))
+    except (SafetensorError, OSError) as error:
+        raise ValueError(f"MEDUSA heads: {weights_path} is corrupt or unreadable: {error}") from None

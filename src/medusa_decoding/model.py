@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import default_model
+from . import default_model, formats
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
 from .decoding import decode
 from .heads import MedusaHeads
@@ -83,9 +83,12 @@ class MedusaModel:
         base, tokenizer = load_base(model, dtype, device)
         if heads is None and model is None:
             heads = default_model.shipped_heads()
+        if heads is None and model is not None and formats.holds_medusa2_heads(model):
+            heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
         if isinstance(heads, (str, os.PathLike)):
             heads_dir = Path(heads)
-            heads = MedusaHeads.from_pretrained(heads_dir)
+            # the base's vocab: heads sharing its LM head in the reference layout record none
+            heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
             if tree is None and (heads_dir / TREE_NAME).is_file():
                 tree = json.loads((heads_dir / TREE_NAME).read_text())
         if heads is None:
