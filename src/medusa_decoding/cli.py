@@ -5,9 +5,10 @@ import json
 import sys
 from dataclasses import fields
 
-from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig
+from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
 
 DEFAULTS = GenerationConfig()
+SERVER = ServerConfig()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,6 +96,15 @@ def cmd_chat(args) -> None:
         print()
 
 
+def cmd_serve(args) -> None:
+    import uvicorn
+
+    from .server import create_app
+
+    medusa = load(args)
+    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name), host=args.host, port=args.port)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="medusa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -122,6 +132,12 @@ def main(argv=None) -> None:
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(run=cmd_chat)
+
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server: /v1/chat/completions, /v1/completions")
+    add_model_arguments(p)
+    p.add_argument("--host", default=SERVER.host)
+    p.add_argument("--port", type=int, default=SERVER.port)
+    p.set_defaults(run=cmd_serve)
 
     args = parser.parse_args(argv)
     try:

@@ -80,3 +80,11 @@ class DefaultModel:
 
 
 DEFAULT_MODEL = DefaultModel()
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Where `medusa serve` listens: loopback only unless asked (the server has no authentication)."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000

@@ -168,14 +168,19 @@ class MedusaModel:
     def stream(self, prompt=None, *, messages=None, raw=False, config=None, **overrides) -> Iterator[str]:
         """Yields text as it is accepted; holds back an incomplete character or a possible stop string."""
         config = replace(config or GenerationConfig(), **overrides)
-        sent, text = 0, ""
-        for _, text in self.steps(prompt, messages=messages, raw=raw, config=config):
-            ready = len(text) - held_back(text, config.stop)
-            if ready > sent:
-                yield text[sent:ready]
-                sent = ready
-        if len(text) > sent:
-            yield text[sent:]
+        for _, piece in text_pieces(self.steps(prompt, messages=messages, raw=raw, config=config), config.stop):
+            if piece:
+                yield piece
+
+
+def text_pieces(steps, stops: tuple[str, ...]) -> Iterator[tuple[list[int], str]]:
+    """(new token ids, text safe to show) per step of `MedusaModel.steps`, then ([], the held-back rest)."""
+    sent, text = 0, ""
+    for new, text in steps:
+        ready = max(len(text) - held_back(text, stops), sent)
+        yield new, text[sent:ready]
+        sent = ready
+    yield [], text[sent:]
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:

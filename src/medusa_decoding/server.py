@@ -1,0 +1,411 @@
+"""OpenAI-compatible HTTP server over the one decoding loop (`medusa serve`).
+
+One worker thread owns the model and runs one generation at a time, in arrival order; each request's
+text reaches its HTTP response through an asyncio queue, so the event loop never waits on the model.
+A request is checked (fields, tree, prompt length) before it is queued, so a bad one gets an ordinary
+400 even when it asked for a stream. A client that goes away sets its job's cancel flag: the worker
+stops that generation after the current forward pass.
+
+>>> uvicorn.run(create_app(MedusaModel.from_pretrained(), "SmolLM2-135M-Instruct"))
+"""
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException
+
+from .config import GenerationConfig
+from .decoding import check_context
+from .model import GenerationOutput, MedusaModel, first_stop, text_pieces
+from .tree import Tree
+
+# request field -> GenerationConfig field; the later of two aliases wins
+OPENAI_FIELDS = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "stop": "stop",
+    "seed": "seed",
+}
+
+
+# ---- the request bodies: unknown fields are refused, never silently ignored ----
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class MedusaOptions(Strict):
+    """The `medusa` extra body: per-request decoding choices (defaults: GenerationConfig's)."""
+
+    acceptance: str | None = None
+    tree: list[list[int]] | list[int] | None = None  # paths or Cartesian sizes; [] = plain decoding
+    top_k: int | None = None
+    typical_epsilon: float | None = None
+    typical_delta: float | None = None
+
+
+class TextPart(Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(Strict):
+    role: str
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class CommonRequest(Strict):
+    model: str
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed takes
+    stream: bool = False
+    stream_options: dict | None = None  # accepted: usage always rides on the final chunk
+    n: Literal[1] = 1
+    user: str | None = None
+    medusa: MedusaOptions | None = None
+
+
+class ChatRequest(CommonRequest):
+    messages: list[Message] = Field(min_length=1)
+
+
+class CompletionRequest(CommonRequest):
+    prompt: str | list[int]  # text (no chat template) or token ids
+
+
+class RequestError(Exception):
+    """Becomes an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.param, self.code, self.status = param, code, status
+
+
+def error_body(message: str, param=None, code=None, kind="invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+# ---- turning a request into a job ----
+
+
+def generation_config(body: CommonRequest) -> GenerationConfig:
+    """The fields the request gives, over GenerationConfig's defaults; a rejected value blames its field."""
+    sources = {name: field for field, name in OPENAI_FIELDS.items() if getattr(body, field) is not None}
+    values = {name: getattr(body, field) for name, field in sources.items()}
+    if isinstance(values.get("stop"), str):
+        values["stop"] = (values["stop"],)
+    if body.medusa is not None:
+        values |= body.medusa.model_dump(exclude_none=True, exclude={"tree"})
+        sources |= {name: f"medusa.{name}" for name in body.medusa.model_fields_set - {"tree"}}
+    try:
+        return GenerationConfig(**values)
+    except ValueError as error:  # GenerationConfig's messages start with the field's name
+        raise RequestError(str(error), next((p for n, p in sources.items() if str(error).startswith(n)), None)) from None
+
+
+def request_model(medusa: MedusaModel, options: MedusaOptions | None) -> MedusaModel:
+    """The served model, or a view of it (same weights) with the request's own tree."""
+    if options is None or options.tree is None:
+        return medusa
+    try:
+        tree = Tree.from_spec(options.tree)
+        vocab = medusa.model.get_output_embeddings().weight.shape[0]
+        if tree.topk_per_head() > vocab:
+            raise ValueError(f"tree: rank {tree.topk_per_head() - 1} is past the vocabulary of {vocab} tokens")
+        return MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree)
+    except ValueError as error:
+        raise RequestError(str(error), "medusa.tree") from None
+
+
+def prompt_ids(medusa: MedusaModel, body: CommonRequest, config: GenerationConfig) -> torch.Tensor:
+    """The request's prompt as ids [T], checked against the model's vocabulary and context."""
+    param = "messages" if isinstance(body, ChatRequest) else "prompt"
+    try:
+        if isinstance(body, ChatRequest):
+            ids = medusa.encode(messages=[chat_message(m) for m in body.messages])
+        else:
+            ids = medusa.encode(body.prompt, raw=True)
+        vocab = medusa.model.get_output_embeddings().weight.shape[0]
+        if ids.min() < 0 or ids.max() >= vocab:
+            raise ValueError(f"prompt: token ids must lie in [0, {vocab}), got {ids.min()}..{ids.max()}")
+    except ValueError as error:
+        raise RequestError(str(error), param) from None
+    try:
+        check_context(medusa.model, ids.numel(), config.max_new_tokens)
+    except ValueError as error:
+        raise RequestError(str(error), param, "context_length_exceeded") from None
+    return ids
+
+
+def chat_message(message: Message) -> dict:
+    content = message.content if not isinstance(message.content, list) else "".join(p.text for p in message.content)
+    return {"role": message.role, "content": content or ""}
+
+
+# ---- the worker ----
+
+
+@dataclass
+class Finished:
+    out: GenerationOutput
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled" (the client left)
+
+
+@dataclass
+class Job:
+    """One request on its way through the worker: inputs, a queue of events out, a cancel flag in."""
+
+    model: MedusaModel
+    ids: torch.Tensor  # [T]
+    config: GenerationConfig
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then Finished or an error
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def put(self, event) -> None:
+        """From the worker thread."""
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Engine:
+    """The one thread that touches the model. Counters feed /health; each is written by one thread only."""
+
+    def __init__(self):
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
+        self.submitted = 0  # by the event loop
+        self.finished = self.cancelled = self.forward_passes = 0  # by the worker
+
+    def submit(self, job: Job) -> None:
+        self.submitted += 1
+        self.worker.submit(self.run, job)
+
+    def run(self, job: Job) -> None:
+        try:
+            job.put(self.generate(job))
+        except Exception as error:  # reported to its client; the worker serves on
+            job.put(error)
+        finally:
+            self.finished += 1
+
+    def generate(self, job: Job) -> Finished:
+        """Runs the job's steps until done or cancelled (checked before every forward pass)."""
+        out, start = GenerationOutput(), time.perf_counter()
+        pieces = text_pieces(job.model.steps(job.ids, config=job.config), job.config.stop)
+        while not job.cancelled.is_set():
+            new, piece = next(pieces, (None, None))
+            if new is None:
+                out.seconds = time.perf_counter() - start
+                return Finished(out, finish_reason(job.model, out, job.config))
+            if new:
+                self.forward_passes += 1
+                out.token_ids += new
+                out.accept_lengths.append(len(new))
+            if piece:
+                out.text += piece
+                job.put(piece)
+        self.cancelled += 1
+        return Finished(out, "cancelled")  # ends a non-streaming request's wait; its client is gone
+
+    def in_flight(self) -> int:
+        return self.submitted - self.finished
+
+
+def finish_reason(medusa: MedusaModel, out: GenerationOutput, config: GenerationConfig) -> str:
+    ended = bool(out.token_ids) and out.token_ids[-1] in medusa.eos_ids
+    return "stop" if ended or first_stop(medusa.decode(out.token_ids), config.stop) is not None else "length"
+
+
+async def job_events(engine: Engine, job: Job, request: Request) -> AsyncIterator[str | Finished]:
+    """Queues the job and yields its text pieces, then its Finished; cancels it if the client leaves."""
+    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+    engine.submit(job)
+    try:
+        while not isinstance(event := await job.events.get(), Finished):
+            if isinstance(event, Exception):
+                raise event
+            yield event
+        yield event
+    finally:
+        job.cancelled.set()
+        watcher.cancel()
+
+
+async def cancel_on_disconnect(request: Request, job: Job) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    job.cancelled.set()
+
+
+# ---- response shapes ----
+
+
+def usage(prompt_tokens: int, out: GenerationOutput) -> dict:
+    completion = len(out.token_ids)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": prompt_tokens + completion,
+        "medusa": {"acceleration_rate": out.acceleration_rate, "steps": out.steps, "tokens_per_s": out.tokens_per_s},
+    }
+
+
+def chat_choice(text: str, finish: str | None, stream: bool) -> dict:
+    if stream:
+        return {"index": 0, "delta": {"content": text} if text else {}, "logprobs": None, "finish_reason": finish}
+    return {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+
+
+def completion_choice(text: str, finish: str | None, stream: bool) -> dict:
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """What differs between /v1/chat/completions and /v1/completions."""
+
+    object: str
+    chunk_object: str
+    id_prefix: str
+    choice: Callable[[str, str | None, bool], dict]
+    opening_delta: dict | None  # the first chunk's delta (chat announces the role)
+
+
+CHAT = Endpoint("chat.completion", "chat.completion.chunk", "chatcmpl-", chat_choice, {"role": "assistant", "content": ""})
+COMPLETION = Endpoint("text_completion", "text_completion", "cmpl-", completion_choice, None)
+
+
+def sse(payload) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
+
+
+def prepare(medusa: MedusaModel, body: CommonRequest) -> tuple[MedusaModel, torch.Tensor, GenerationConfig]:
+    """Every check a request gets before it is queued (raises RequestError)."""
+    config = generation_config(body)
+    return request_model(medusa, body.medusa), prompt_ids(medusa, body, config), config
+
+
+async def answer(engine: Engine, medusa: MedusaModel, endpoint: Endpoint, body: CommonRequest, request: Request):
+    model, ids, config = await asyncio.to_thread(prepare, medusa, body)  # tokenizing is not free
+    job = Job(model, ids, config, asyncio.get_running_loop())
+    head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": body.model}
+    events = job_events(engine, job, request)
+    if body.stream:
+        return StreamingResponse(stream(endpoint, head, ids.numel(), events), media_type="text/event-stream")
+    pieces = [event async for event in events]
+    done = pieces.pop()
+    return {
+        **head,
+        "object": endpoint.object,
+        "choices": [endpoint.choice("".join(pieces), done.finish_reason, False)],
+        "usage": usage(ids.numel(), done.out),
+    }
+
+
+async def stream(endpoint: Endpoint, head: dict, prompt_tokens: int, events) -> AsyncIterator[str]:
+    """Server-sent events: a chunk per text piece, a final chunk with finish_reason and usage, [DONE]."""
+
+    def chunk(choice: dict, **extra) -> str:
+        return sse({**head, "object": endpoint.chunk_object, "choices": [choice], **extra})
+
+    try:
+        if endpoint.opening_delta is not None:
+            yield chunk({"index": 0, "delta": endpoint.opening_delta, "logprobs": None, "finish_reason": None})
+        async for event in events:
+            if isinstance(event, Finished):
+                yield chunk(endpoint.choice("", event.finish_reason, True), usage=usage(prompt_tokens, event.out))
+            else:
+                yield chunk(endpoint.choice(event, None, True))
+    except Exception as error:  # headers are sent: the error travels as an event, as OpenAI's API does
+        yield sse(error_body(f"generation failed: {error}", kind="server_error"))
+    yield sse("[DONE]")
+
+
+# ---- the app ----
+
+
+def create_app(medusa: MedusaModel, model_id: str) -> FastAPI:
+    """The ASGI app serving `medusa` under the name `model_id` (requests must name it)."""
+    engine = Engine()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.worker.shutdown(wait=False, cancel_futures=True)
+
+    app = FastAPI(title="medusa-decoding", summary="OpenAI-compatible MEDUSA decoding", lifespan=lifespan)
+
+    def check_model(body: CommonRequest) -> None:
+        if body.model != model_id:
+            raise RequestError(
+                f"The model `{body.model}` does not exist; this server serves `{model_id}`",
+                "model", "model_not_found", status=404,
+            )
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body)
+        return await answer(engine, medusa, CHAT, body, request)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body)
+        return await answer(engine, medusa, COMPLETION, body, request)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
+
+    @app.get("/health")
+    async def health():
+        return {
+            "status": "ok",
+            "model": model_id,
+            "in_flight": engine.in_flight(),
+            "cancelled": engine.cancelled,
+            "forward_passes": engine.forward_passes,
+        }
+
+    @app.exception_handler(RequestError)
+    async def request_error(request: Request, error: RequestError):
+        return JSONResponse(error_body(str(error), error.param, error.code), status_code=error.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, error: RequestValidationError):
+        first = error.errors()[0]
+        if first["type"] == "json_invalid":
+            detail = first.get("ctx", {}).get("error", first["msg"])
+            return JSONResponse(error_body(f"the body is not valid JSON: {detail}", code="invalid_json"), status_code=400)
+        param = ".".join(str(part) for part in first["loc"] if part != "body") or None
+        where = param or "the body must be a JSON object (Content-Type: application/json)"
+        return JSONResponse(error_body(f"{where}: {first['msg']}", param), status_code=400)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, error: HTTPException):
+        return JSONResponse(error_body(str(error.detail)), status_code=error.status_code)
+
+    @app.exception_handler(Exception)
+    async def server_error(request: Request, error: Exception):
+        return JSONResponse(error_body(f"internal error: {error}", kind="server_error"), status_code=500)
+
+    return app

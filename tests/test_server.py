@@ -1,0 +1,287 @@
+"""`medusa serve` over real HTTP: uvicorn on a free loopback port, the official `openai` client as the caller."""
+
+import json
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from medusa_decoding.config import DEFAULT_MODEL
+from medusa_decoding.server import create_app
+
+MODEL_ID = DEFAULT_MODEL.name
+MAX_TOKENS = 12
+CONCURRENT_TOKENS = 8  # 8 requests and their 8 references: the slowest test
+PROMPTS = (
+    "Name three colours.",
+    "What is the capital of France?",
+    "Write one sentence about cats.",
+    "Give me a synonym for happy.",
+    "What is 2 + 2?",
+    "Describe the moon in five words.",
+    "Say hello in Spanish.",
+    "What do bees make?",
+)
+LONG_RUN = 1000  # tokens a disconnect test asks for: far more than it lets run
+COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # a raw prompt that keeps going
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """On a shared 2-core machine, OpenMP threads that spin-wait for each other make a step 10x slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def base_url(smollm):
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(create_app(smollm, MODEL_ID), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def expected(smollm):
+    """Greedy answers from MedusaModel.generate (what `medusa generate` prints), computed once each."""
+    cache = {}
+
+    def answer(prompt: str, raw: bool = False, **overrides):
+        key = (prompt, raw, tuple(sorted(overrides.items())))
+        if key not in cache:
+            cache[key] = smollm.generate(prompt, raw=raw, **{"max_new_tokens": MAX_TOKENS, **overrides})
+        return cache[key]
+
+    return answer
+
+
+def chat(client, prompt: str, **kw):
+    """Greedy unless kw says otherwise."""
+    return client.chat.completions.create(
+        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], **{"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+    )
+
+
+def streamed_text(client, prompt: str, **kw) -> tuple[str, list]:
+    chunks = list(chat(client, prompt, stream=True, **kw))
+    return "".join(c.choices[0].delta.content or "" for c in chunks), chunks
+
+
+def health(base_url) -> dict:
+    response = httpx.get(f"{base_url}/health")
+    assert response.status_code == 200
+    return response.json()
+
+
+def test_models_and_health(client, base_url):
+    assert [m.id for m in client.models.list().data] == [MODEL_ID]
+    state = health(base_url)
+    assert state["status"] == "ok" and state["model"] == MODEL_ID and state["in_flight"] == 0
+
+
+def test_greedy_chat_matches_generate(client, smollm, expected):
+    want = expected(PROMPTS[0])
+    response = chat(client, PROMPTS[0])
+    assert response.object == "chat.completion" and response.model == MODEL_ID
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == want.text
+    ended = want.token_ids[-1] in smollm.eos_ids
+    assert response.choices[0].finish_reason == ("stop" if ended else "length")
+    prompt_tokens = smollm.encode(PROMPTS[0]).numel()
+    assert response.usage.prompt_tokens == prompt_tokens
+    assert response.usage.completion_tokens == len(want.token_ids)
+    assert response.usage.total_tokens == prompt_tokens + len(want.token_ids)
+    stats = response.usage.model_extra["medusa"]
+    assert stats["steps"] == want.steps
+    assert stats["acceleration_rate"] == pytest.approx(want.acceleration_rate)
+
+
+def test_stream_concatenates_to_the_same_text(client, expected):
+    text, chunks = streamed_text(client, PROMPTS[0])
+    assert text == expected(PROMPTS[0]).text
+    assert {c.object for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks[:-1]] == [None] * (len(chunks) - 1)
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(expected(PROMPTS[0]).token_ids)
+
+
+def test_stream_ends_with_done(base_url):
+    body = {"model": MODEL_ID, "prompt": "Once upon a time", "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+
+
+def test_concurrent_streams_each_get_their_own_answer(client, expected):
+    want = [expected(p, max_new_tokens=CONCURRENT_TOKENS).text for p in PROMPTS]  # sequential references first
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(lambda p: streamed_text(client, p, max_tokens=CONCURRENT_TOKENS)[0], PROMPTS))
+    assert got == want
+    assert len(set(want)) == len(PROMPTS)  # distinct answers: a mix-up could not pass unnoticed
+
+
+def test_completions_use_the_raw_prompt(client, expected):
+    want = expected("The capital of France is", raw=True)
+    response = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=MAX_TOKENS, temperature=0)
+    assert response.object == "text_completion"
+    assert response.choices[0].text == want.text
+    assert response.usage.completion_tokens == len(want.token_ids)
+    stream = client.completions.create(
+        model=MODEL_ID, prompt="The capital of France is", max_tokens=MAX_TOKENS, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].text for c in stream) == want.text
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stop_string_ends_early_with_stop(client, expected, streaming):
+    full = expected(PROMPTS[1]).text
+    stop = full.split()[2]  # a word from the middle of the greedy answer
+    want = expected(PROMPTS[1], stop=(stop,))
+    assert want.text == full[: full.find(stop)]
+    if streaming:
+        text, chunks = streamed_text(client, PROMPTS[1], stop=[stop])
+        finish, usage = chunks[-1].choices[0].finish_reason, chunks[-1].usage
+    else:
+        response = chat(client, PROMPTS[1], stop=stop)
+        text, finish, usage = response.choices[0].message.content, response.choices[0].finish_reason, response.usage
+    assert text == want.text
+    assert finish == "stop"
+    assert usage.completion_tokens == len(want.token_ids) < MAX_TOKENS
+
+
+def test_sampling_with_a_seed_repeats(client):
+    runs = [chat(client, PROMPTS[2], temperature=0.8, seed=7).choices[0].message.content for _ in range(2)]
+    assert runs[0] == runs[1]
+
+
+def test_per_request_tree_and_acceptance(client, expected):
+    plain = chat(client, PROMPTS[0], extra_body={"medusa": {"tree": []}})  # root only: plain decoding
+    assert plain.choices[0].message.content == expected(PROMPTS[0]).text
+    assert plain.usage.model_extra["medusa"]["steps"] == plain.usage.completion_tokens
+    typical = chat(client, PROMPTS[0], extra_body={"medusa": {"acceptance": "typical", "tree": [2, 2]}})
+    assert typical.usage.completion_tokens == MAX_TOKENS or typical.choices[0].finish_reason == "stop"
+
+
+CHAT = "/v1/chat/completions"
+GOOD = {"model": MODEL_ID, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+BAD_REQUESTS = {
+    "malformed JSON": (CHAT, b'{"model": "x", "messages": [', 400, None),
+    "missing messages": (CHAT, {"model": MODEL_ID}, 400, "messages"),
+    "messages of the wrong type": (CHAT, {**GOOD, "messages": "Hi"}, 400, "messages"),
+    "temperature of the wrong type": (CHAT, {**GOOD, "temperature": "hot"}, 400, "temperature"),
+    "unknown model": (CHAT, {**GOOD, "model": "gpt-4"}, 404, "model"),
+    "negative max_tokens": (CHAT, {**GOOD, "max_tokens": -5}, 400, "max_tokens"),
+    "zero max_completion_tokens": (CHAT, {**GOOD, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
+    "negative temperature": (CHAT, {**GOOD, "temperature": -0.5}, 400, "temperature"),
+    "unknown acceptance": (CHAT, {**GOOD, "medusa": {"acceptance": "bogus"}}, 400, "medusa.acceptance"),
+    "tree not prefix-closed": (CHAT, {**GOOD, "medusa": {"tree": [[0, 0]]}}, 400, "medusa.tree"),
+    "tree deeper than the heads": (CHAT, {**GOOD, "medusa": {"tree": [1, 1, 1, 1, 1]}}, 400, "medusa.tree"),
+    "unsupported field": (CHAT, {**GOOD, "logprobs": True}, 400, "logprobs"),
+    "over-long prompt": (CHAT, {**GOOD, "messages": [{"role": "user", "content": "word " * 9000}]}, 400, "messages"),
+    "over-long prompt, streaming": (
+        "/v1/completions", {"model": MODEL_ID, "prompt": "word " * 9000, "stream": True}, 400, "prompt",
+    ),
+    "token id past the vocabulary": ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 10**9]}, 400, "prompt"),
+    "empty prompt": ("/v1/completions", {"model": MODEL_ID, "prompt": ""}, 400, "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_gets_an_openai_error_and_the_server_serves_on(base_url, case):
+    path, body, status, param = BAD_REQUESTS[case]
+    send = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    response = httpx.post(f"{base_url}{path}", timeout=60, **send)
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"].startswith("application/json")
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+    assert health(base_url)["in_flight"] == 0
+    after = httpx.post(f"{base_url}{CHAT}", json=GOOD, timeout=60)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] >= 1
+
+
+def test_openai_client_sees_the_errors(client):
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
+    with pytest.raises(openai.BadRequestError, match="context"):
+        chat(client, "word " * 9000, stream=True)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_client_that_leaves_frees_the_model(base_url, client, streaming):
+    before = health(base_url)
+    body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0, "stream": streaming}
+    if streaming:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            next(line for line in response.iter_lines() if line.startswith("data: {"))  # it is generating
+    else:
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 30
+    while (state := health(base_url))["in_flight"]:
+        assert time.monotonic() < deadline, "the abandoned generation kept the model"
+        time.sleep(0.05)
+    assert state["cancelled"] == before["cancelled"] + 1
+    assert state["forward_passes"] - before["forward_passes"] < LONG_RUN // 10
+    assert chat(client, PROMPTS[4]).usage.completion_tokens >= 1  # and the next request is served
+
+
+def test_client_that_leaves_while_queued_is_never_run(base_url):
+    before = health(base_url)
+    body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0}
+    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as running:
+        next(line for line in running.iter_lines() if line.startswith("data: {"))  # the model is busy with it
+        with pytest.raises(httpx.ReadTimeout):  # queued behind it, then gone
+            httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 30
+    while (state := health(base_url))["in_flight"] or state["cancelled"] < before["cancelled"] + 2:
+        assert time.monotonic() < deadline, "an abandoned generation kept the model"
+        time.sleep(0.05)
+    assert state["cancelled"] == before["cancelled"] + 2
+    assert state["forward_passes"] - before["forward_passes"] < LONG_RUN // 10
+
+
+def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(base_url, client, smollm, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the model fell over")
+        yield
+
+    monkeypatch.setattr(smollm, "steps", broken)
+    response = httpx.post(f"{base_url}{CHAT}", json=GOOD, timeout=60)
+    assert response.status_code == 500
+    assert response.json()["error"] == {
+        "message": "internal error: the model fell over", "type": "server_error", "param": None, "code": None,
+    }
+    with httpx.stream("POST", f"{base_url}{CHAT}", json={**GOOD, "stream": True}, timeout=60) as stream:
+        events = [line.removeprefix("data: ") for line in stream.iter_lines() if line]
+    assert json.loads(events[-2])["error"]["message"] == "generation failed: the model fell over"
+    assert events[-1] == "[DONE]"
+    monkeypatch.undo()
+    assert chat(client, PROMPTS[4]).usage.completion_tokens >= 1
