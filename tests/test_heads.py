@@ -11,6 +11,7 @@ from conftest import FAMILIES, HIDDEN, VOCAB, tiny_model
 from medusa_decoding import MedusaModel
 from medusa_decoding.config import HeadsConfig
 from medusa_decoding.heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
+from medusa_decoding.tree import Tree
 
 CONFIG = HeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, num_layers=2, base_model="tiny")
 
@@ -140,4 +141,4 @@ def test_medusa_model_refuses_heads_of_another_model(smollm):
     with pytest.raises(ValueError, match="vocab_size=49151"):
         MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, vocab_size=config.vocab_size - 1)))
     with pytest.raises(ValueError, match="depth 3 needs 3 heads, but only 2 exist"):
-        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)), smollm.tree.from_spec([1, 1, 1]))
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)), Tree.from_spec([1, 1, 1]))

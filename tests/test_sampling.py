@@ -161,8 +161,8 @@ def test_sampling_respects_the_budget_and_the_seed(small_model, rule):
 
 
 def test_typical_with_unreachable_thresholds_is_plain_sampling(small_model):
-    """p(x) > min(epsilon, delta * exp(-H)) never holds when both exceed 1 / exp(-H): nothing is accepted,
-    and each step draws its one token from p exactly as plain sampling does, with the same random stream."""
+    """p(x) > min(epsilon, delta * exp(-H)) never holds when epsilon > 1 and delta * exp(-H) > 1: nothing is
+    accepted, and each step draws its one token from p as plain sampling does, from the same random stream."""
     model, heads = small_model
     tree = Tree.from_spec(WIDE)
     typical = sampled(model, heads, tree, max_new_tokens=40, acceptance="typical", typical_epsilon=2.0, typical_delta=1e9)
