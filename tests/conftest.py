@@ -17,8 +17,8 @@ TINY_CONFIGS = {
 FAMILIES = tuple(TINY_CONFIGS)
 
 
-def tiny_model(family: str, seed: int = 0, vocab_size: int = VOCAB, eos_token_id: int | None = None):
-    """A randomly initialised 2-layer model of `family`, in eval mode, fp32."""
+def tiny_model(family: str, seed: int = 0, vocab_size: int = VOCAB, eos_token_id: int | None = None, **overrides):
+    """A randomly initialised 2-layer model of `family`, in eval mode, fp32. overrides: config fields."""
     config_cls, model_cls, extra = TINY_CONFIGS[family]
     if family == "gpt2":
         shape = dict(n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=1024)
@@ -28,10 +28,32 @@ def tiny_model(family: str, seed: int = 0, vocab_size: int = VOCAB, eos_token_id
             num_key_value_heads=2, max_position_embeddings=1024,
         )
     config = getattr(transformers, config_cls)(
-        vocab_size=vocab_size, bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=None, **shape, **extra
+        vocab_size=vocab_size, bos_token_id=0, eos_token_id=eos_token_id, pad_token_id=None,
+        **{**shape, **extra, **overrides},
     )
     torch.manual_seed(seed)
     return getattr(transformers, model_cls)(config).eval()
+
+
+TINY_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A word-level tokenizer of VOCAB tokens (specials, roles, words w0, w1, ...) with a ChatML template,
+    for tiny models: fast training tests, whole-word decoding."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = ["[PAD]", "[UNK]", "<|im_end|>", "<|im_start|>", "system", "user", "assistant"]
+    words += [f"w{i}" for i in range(VOCAB - len(words))]
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", eos_token="<|im_end|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=TINY_CHAT_TEMPLATE,
+    )
 
 
 @pytest.fixture(params=FAMILIES)

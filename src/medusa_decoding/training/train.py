@@ -1,0 +1,349 @@
+"""Head training on the Hugging Face `Trainer` (so accelerate, DeepSpeed and FSDP work unchanged).
+
+The hidden state at position t feeds the LM head, which predicts token t+1, and head k (0-based),
+which predicts token t+k+2. Losses count only targets that are assistant tokens:
+
+    MEDUSA-1  L_heads = sum_k decay^k CE(head k at t, x[t+k+2])     backbone frozen, no gradient through it
+    MEDUSA-2  L_LM + lambda * L_heads                               LoRA on every linear layer, lm_head included
+              L_LM = KL(original || adapted) of the next-token distribution (self-distilled data; the
+              original is the same network with its adapter disabled, no second copy) or CE to the data.
+              lambda = lambda0, ramped up along a sine over the warm-up steps unless the heads start trained.
+
+The losses are computed in the training model's forward, so that DDP/FSDP/DeepSpeed see one forward
+pass; `MedusaTrainer.compute_loss` sets lambda, `create_optimizer` gives the heads their learning rate.
+"""
+
+import importlib.util
+import json
+import math
+from dataclasses import asdict
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainingArguments, set_seed
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+from ..config import HeadsConfig, TrainConfig
+from ..heads import MedusaHeads
+from ..model import MERGED_NAME, load_base
+from .data import IGNORE_INDEX, build_examples, collate, split
+
+HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
+TOPK_ACCURACY = 5
+CHECKPOINTS, ADAPTER = "checkpoints", "adapter"
+ACCURACY_NAME, CONFIG_NAME = "head_accuracy.json", "train_config.json"
+TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
+
+
+def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
+    """labels [B, T] -> the label `offset` positions ahead of each position [B, T]; IGNORE_INDEX past the end."""
+    return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
+
+
+def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float):
+    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets).
+
+    The heads run only where some head has a target, so prompts and padding cost nothing.
+    """
+    num_heads = heads.config.num_heads
+    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
+    keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
+    logits = heads(hidden[keep], lm_head).float()  # [K, N, V]
+    targets = targets[:, keep]  # [K, N]
+    counts = (targets != IGNORE_INDEX).sum(-1)  # [K]
+    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets).sum(-1)
+    loss = (losses / counts.clamp(min=1) * decay ** torch.arange(num_heads, device=losses.device)).sum()
+    rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
+    hits = head_hits(logits.detach(), targets)  # [K, N, 3]
+    return loss, hits.new_zeros(labels.shape[0], num_heads, 3).index_add_(0, rows, hits.transpose(0, 1))
+
+
+def head_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [K, N, V], targets [K, N] -> [K, N, 3]: top-1 hit, top-5 hit, has a target (0/1 each)."""
+    valid = targets != IGNORE_INDEX
+    hit = logits.topk(min(TOPK_ACCURACY, logits.shape[-1]), dim=-1).indices == targets[..., None]
+    return torch.stack([hit[..., 0] & valid, hit.any(-1) & valid, valid], dim=-1).long()
+
+
+class MedusaTrainingModel(nn.Module):
+    """Backbone (frozen, or a peft LoRA model) + heads; forward returns the loss and per-head hits.
+
+    Its state dict holds only the trainable tensors: checkpoints stay small, and resuming restores
+    exactly what training changes (the frozen rest is loaded with the model).
+    """
+
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads, config: TrainConfig):
+        super().__init__()
+        self.backbone, self.heads, self.train_config = backbone, heads, config
+        self.adapted = config.mode == "medusa2"
+
+    @property
+    def causal_lm(self) -> PreTrainedModel:
+        return self.backbone.get_base_model() if self.adapted else self.backbone
+
+    def hidden_states(self, input_ids, attention_mask) -> torch.Tensor:
+        """[B, T] -> last hidden states [B, T, H]."""
+        out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        return out.last_hidden_state
+
+    def forward(self, input_ids, attention_mask, labels, heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
+        with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
+            hidden = self.hidden_states(input_ids, attention_mask)
+        lm_head = self.causal_lm.get_output_embeddings()
+        loss, hits = heads_loss(self.heads, lm_head, hidden, labels, self.train_config.decay)
+        loss = heads_weight * loss
+        if self.adapted:
+            loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
+        return {"loss": loss, "head_hits": hits}
+
+    def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
+        """MEDUSA-2's backbone term at every position whose next token is an answer token."""
+        targets = future_labels(labels, 1)
+        keep = targets != IGNORE_INDEX
+        logits = lm_head(hidden[keep]).float()  # [N, V]
+        count = keep.sum().clamp(min=1)
+        if self.train_config.lm_loss == "ce":
+            return F.cross_entropy(logits, targets[keep], reduction="sum") / count
+        with torch.no_grad(), self.backbone.disable_adapter():
+            original = lm_head(self.hidden_states(input_ids, attention_mask)[keep]).float()
+        kl = F.kl_div(logits.log_softmax(-1), original.log_softmax(-1), log_target=True, reduction="sum")
+        return kl / count
+
+    def train(self, mode: bool = True) -> "MedusaTrainingModel":
+        super().train(mode)
+        if not self.adapted:
+            self.backbone.eval()  # frozen: the heads see the hidden states of inference (no dropout)
+        return self
+
+    def trainable_names(self) -> set[str]:
+        return {name for name, p in self.named_parameters() if p.requires_grad}
+
+    def state_dict(self, *, destination=None, prefix: str = "", keep_vars: bool = False):
+        trainable = {prefix + name for name in self.trainable_names()}
+        everything = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+        destination = {} if destination is None else destination
+        destination.update((k, v) for k, v in everything.items() if k in trainable)
+        return destination
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        missing = [k for k in result.missing_keys if k in self.trainable_names()]
+        if strict and (missing or result.unexpected_keys):
+            raise ValueError(f"checkpoint does not match the model: missing {missing[:4]}, "
+                             f"unexpected {result.unexpected_keys[:4]}")
+        return type(result)(missing, result.unexpected_keys)
+
+
+def heads_weight(config: TrainConfig, step: int, ramp: bool) -> float:
+    """The heads' loss weight: 1 (MEDUSA-1); lambda0, sine-ramped over the warm-up steps when ramp (MEDUSA-2)."""
+    if config.mode == "medusa1":
+        return 1.0
+    if not ramp or config.warmup_steps == 0:
+        return config.lambda0
+    return config.lambda0 * math.sin(math.pi / 2 * min(1.0, step / config.warmup_steps))
+
+
+class MedusaTrainer(Trainer):
+    """compute_loss weighs the heads' term (MEDUSA-2's lambda); create_optimizer gives heads their own LR."""
+
+    def __init__(self, *args, medusa: TrainConfig, ramp: bool, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.medusa, self.ramp = medusa, ramp
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        outputs = model(**inputs, heads_weight=heads_weight(self.medusa, self.state.global_step, self.ramp))
+        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            wrapper = self.model
+            backbone = [p for p in wrapper.backbone.parameters() if p.requires_grad]
+            groups = [{"params": list(wrapper.heads.parameters())}]
+            if backbone:
+                groups.append({"params": backbone, "lr": self.args.learning_rate / self.medusa.heads_lr_ratio})
+            optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, wrapper)
+            self.optimizer = optimizer_cls(groups, **kwargs)
+        return self.optimizer
+
+
+def head_metrics(prediction: EvalPrediction, num_heads: int) -> dict[str, float]:
+    """Per-head top-1 / top-5 accuracy from the hit counts [examples, K, 3] of the eval set."""
+    hits = prediction.predictions.reshape(-1, num_heads, 3).sum(0)
+    metrics = {}
+    for k, (top1, top5, count) in enumerate(hits.tolist()):
+        metrics |= {f"head{k}_top1": top1 / max(count, 1), f"head{k}_top5": top5 / max(count, 1), f"head{k}_tokens": count}
+    return metrics
+
+
+def load_backbone(model: str | None, config: TrainConfig):
+    """The base model and tokenizer, in bf16 if asked, the frozen MEDUSA-1 backbone quantized if asked."""
+    dtype = torch.bfloat16 if config.bf16 else torch.float32
+    if config.quantize is None:
+        return load_base(model, dtype)
+    if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(f"quantize={config.quantize!r} needs a CUDA GPU and the bitsandbytes package "
+                         "(pip install bitsandbytes)")
+    from transformers import BitsAndBytesConfig
+
+    bits = BitsAndBytesConfig(load_in_8bit=config.quantize == "8bit", load_in_4bit=config.quantize == "4bit",
+                              bnb_4bit_compute_dtype=dtype)
+    return load_base(model, dtype, quantization_config=bits, device_map={"": torch.cuda.current_device()})
+
+
+def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Path | None) -> MedusaHeads:
+    """Fresh heads (an untrained head repeats the base model), or trained ones to start from; fp32 to train."""
+    hidden_size = model.config.get_text_config().hidden_size
+    lm_head = model.get_output_embeddings()
+    vocab_size = lm_head.weight.shape[0]
+    wanted = HeadsConfig(hidden_size, vocab_size, config.num_heads, config.num_layers, config.projection,
+                         model.name_or_path)
+    if init_heads is None:
+        return MedusaHeads(wanted, lm_head).float()
+    heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
+    heads.check_compatible(hidden_size, vocab_size, model.name_or_path)
+    for name in ("num_heads", "num_layers", "projection"):
+        if getattr(heads.config, name) != getattr(wanted, name):
+            raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
+                             f"but training asks for {name}={getattr(wanted, name)!r}")
+    return heads.float()
+
+
+def untie_output_embeddings(model: PreTrainedModel) -> None:
+    """A tied lm_head gets its own copy: merging its LoRA must not move the input embeddings too."""
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if output.weight.data_ptr() == embeddings.weight.data_ptr():
+        output.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=False)
+        model.config.get_text_config().tie_word_embeddings = False
+        model.config.tie_word_embeddings = False
+
+
+def prepare_backbone(model: PreTrainedModel, config: TrainConfig) -> nn.Module:
+    """MEDUSA-1: the model, frozen. MEDUSA-2: a peft LoRA model on every linear layer, lm_head included."""
+    model.requires_grad_(False)
+    if config.mode == "medusa1":
+        return model
+    from peft import LoraConfig, get_peft_model
+    from transformers.pytorch_utils import Conv1D
+
+    untie_output_embeddings(model)
+    linear = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))})
+    lora = LoraConfig(r=config.lora_r, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=linear, task_type="CAUSAL_LM")
+    return get_peft_model(model, lora)
+
+
+def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(output / CHECKPOINTS),
+        num_train_epochs=config.epochs,
+        max_steps=config.max_steps,
+        per_device_train_batch_size=config.batch_size,
+        per_device_eval_batch_size=config.batch_size,
+        gradient_accumulation_steps=config.gradient_accumulation_steps,
+        learning_rate=config.learning_rate,
+        weight_decay=0.0,
+        warmup_steps=config.warmup_steps,
+        lr_scheduler_type=config.scheduler,
+        logging_steps=config.logging_steps,
+        save_strategy="steps",
+        save_steps=config.save_steps,
+        save_total_limit=config.save_total_limit,
+        eval_strategy="steps" if evaluate else "no",
+        eval_steps=config.save_steps,
+        bf16=config.bf16,
+        seed=config.seed,
+        data_seed=config.seed,
+        report_to="none",
+        remove_unused_columns=False,
+        label_names=["labels"],
+        dataloader_pin_memory=torch.cuda.is_available(),
+    )
+
+
+def train(
+    model: PreTrainedModel,
+    tokenizer,
+    conversations: list[list[dict]],
+    output: str | Path,
+    config: TrainConfig = TrainConfig(),
+    *,
+    init_heads: str | Path | None = None,
+    resume: bool = False,
+    merge: bool = False,
+    callbacks: tuple = (),
+) -> dict:
+    """Trains heads (and, for medusa2, a LoRA adapter) on chat conversations; writes them to `output`.
+
+    output/: the heads (MedusaHeads.save_pretrained), head_accuracy.json, train_config.json, checkpoints/;
+    medusa2 also adapter/ (peft) and, with merge, model/ (merged; MedusaModel.from_pretrained(output)).
+    Returns the held-out per-head accuracy.
+
+    >>> train(model, tokenizer, read_conversations("distilled.jsonl"), "heads/", TrainConfig(epochs=1))
+    """
+    output = Path(output)
+    if merge and config.mode != "medusa2":
+        raise ValueError(f"merge: only a medusa2 run has an adapter to merge, got mode {config.mode!r}")
+    last = last_checkpoint(output / CHECKPOINTS)
+    if resume and last is None:
+        raise ValueError(f"resume: no checkpoint in {output / CHECKPOINTS}")
+    if not resume and last is not None:
+        raise ValueError(f"output: {output} already holds checkpoints ({last}); resume, or choose another directory")
+    set_seed(config.seed)
+    examples = build_examples(tokenizer, conversations, config.max_length)
+    train_set, eval_set = split(examples, config.eval_fraction, config.seed)
+    heads = make_heads(model, config, init_heads)
+    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config)
+    pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
+    trainer = MedusaTrainer(
+        model=wrapper,
+        args=training_arguments(output, config, evaluate=bool(eval_set)),
+        data_collator=partial(collate, pad_id=pad_id),
+        train_dataset=train_set,
+        eval_dataset=eval_set or None,
+        compute_metrics=partial(head_metrics, num_heads=heads.config.num_heads),
+        callbacks=list(callbacks),
+        medusa=config,
+        ramp=init_heads is None,
+    )
+    trainer.train(resume_from_checkpoint=str(last) if resume else None)
+    accuracy = head_accuracy(trainer.evaluate(), heads.config.num_heads, len(eval_set)) if eval_set else {}
+    save(wrapper, tokenizer, output, config, accuracy, merge)
+    return accuracy
+
+
+def last_checkpoint(directory: Path) -> Path | None:
+    """The newest checkpoint saved whole: the Trainer writes trainer_state.json last, so a run killed while
+    saving leaves a checkpoint without a readable one, and resuming falls back to the one before."""
+    saved = [p for p in directory.glob(f"{PREFIX_CHECKPOINT_DIR}-*") if p.name.rsplit("-", 1)[1].isdigit()]
+    for path in sorted(saved, key=lambda p: int(p.name.rsplit("-", 1)[1]), reverse=True):
+        try:
+            json.loads((path / TRAINER_STATE).read_text())
+            return path
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def head_accuracy(metrics: dict, num_heads: int, examples: int) -> dict:
+    heads = [
+        {"head": k, "predicts": f"t+{k + HEAD_OFFSET}", "top1": metrics[f"eval_head{k}_top1"],
+         "top5": metrics[f"eval_head{k}_top5"], "tokens": metrics[f"eval_head{k}_tokens"]}
+        for k in range(num_heads)
+    ]
+    return {"eval_examples": examples, "eval_loss": metrics["eval_loss"], "heads": heads}
+
+
+def save(wrapper: MedusaTrainingModel, tokenizer, output: Path, config: TrainConfig, accuracy: dict, merge: bool):
+    wrapper.heads.save_pretrained(output)
+    (output / CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2) + "\n")
+    if accuracy:
+        (output / ACCURACY_NAME).write_text(json.dumps(accuracy, indent=2) + "\n")
+    if wrapper.adapted:
+        wrapper.backbone.save_pretrained(output / ADAPTER, save_embedding_layers=False)  # lm_head: its LoRA is enough
+        if merge:
+            merged = wrapper.backbone.merge_and_unload()
+            merged.save_pretrained(output / MERGED_NAME)
+            tokenizer.save_pretrained(output / MERGED_NAME)

@@ -1,0 +1,130 @@
+"""Self-distillation: input formats, multi-turn history, batching, resume without duplicates, the CLI."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_tokenizer
+from engine_helpers import greedy_reference, lively_model, one_thread
+
+from medusa_decoding.cli import main
+from medusa_decoding.config import DistillConfig
+from medusa_decoding.training.data import Prompt, read_prompts
+from medusa_decoding.training.distill import completed_ids, distill
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the checkout
+GREEDY = DistillConfig(max_new_tokens=6, temperature=0.0, batch_size=3)
+PROMPTS = [Prompt(f"p{i}", (" ".join(f"w{j}" for j in range(i + 1)),)) for i in range(5)]  # lengths 1..5
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+def lines(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().split("\n") if line]
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def test_reads_seed_sharegpt_and_mt_bench_records(tmp_path):
+    chat = {"id": "s1", "conversations": [{"from": "human", "value": "w1"}, {"from": "gpt", "value": "w9"},
+                                           {"from": "human", "value": "w2"}]}
+    empty = {"id": "s2", "conversations": [{"from": "gpt", "value": "w9"}]}
+    (tmp_path / "sharegpt.json").write_text(json.dumps([chat, empty]))
+    assert read_prompts(tmp_path / "sharegpt.json") == [Prompt("s1", ("w1", "w2"))]  # human turns; none: skipped
+    assert read_prompts(write_jsonl(tmp_path / "sharegpt.jsonl", [chat, empty])) == [Prompt("s1", ("w1", "w2"))]
+    seed = write_jsonl(tmp_path / "seed.jsonl", [{"id": "a", "source": "gsm8k-train", "prompt": "w1 w2"}])
+    assert read_prompts(seed) == [Prompt("a", ("w1 w2",))]
+    bench = write_jsonl(tmp_path / "bench.jsonl", [{"question_id": 81, "category": "writing", "turns": ["w1", "w2"]}])
+    assert read_prompts(bench) == [Prompt("81", ("w1", "w2"))]
+
+
+def test_reads_the_shipped_prompt_sets():
+    seeds = read_prompts(DATA / "seed_prompts.jsonl")  # some prompts hold U+2028: lines are split on \n only
+    assert len(seeds) == 11728 and all(len(p.turns) == 1 for p in seeds)
+    bench = read_prompts(DATA / "mt_bench_question.jsonl")
+    assert len(bench) == 80 and all(len(p.turns) == 2 for p in bench)
+
+
+@pytest.mark.parametrize("text, error", [
+    ("", "empty"),
+    ('{"id": "a", "prompt": "w1"}\n{"id": "b", "prompt": \n', r"jsonl:2: not valid JSON"),
+    ('{"id": "a", "question": "w1"}\n', "expected a 'prompt', 'conversations' or 'turns' field"),
+    ('{"id": "a", "prompt": "w1"}\n{"id": "a", "prompt": "w2"}\n', "occurs twice"),
+    ('{"id": "a", "conversations": [{"from": "robot", "value": "w1"}]}\n', "unknown speaker 'robot'"),
+    ('{"id": "a", "prompt": "  "}\n', "no record holds a user turn"),
+])
+def test_bad_input_is_rejected_by_name(tmp_path, text, error):
+    path = tmp_path / "in.jsonl"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=error):
+        read_prompts(path)
+
+
+def test_each_user_turn_follows_the_models_own_answer(model, tokenizer, tmp_path):
+    out = tmp_path / "out.jsonl"
+    distill(model, tokenizer, [Prompt("q", ("w3 w4", "w5"))], out, GREEDY, progress=False)
+    [record] = lines(out)
+    assert record["id"] == "q"
+    assert [m["from"] for m in record["conversations"]] == ["human", "gpt", "human", "gpt"]
+    chat = []
+    for message in record["conversations"]:  # replay: every answer is transformers' own greedy continuation
+        if message["from"] == "human":
+            chat.append({"role": "user", "content": message["value"]})
+            continue
+        prompt = torch.tensor(tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False))
+        expected = tokenizer.decode(greedy_reference(model, prompt, GREEDY.max_new_tokens, tokenizer.eos_token_id),
+                                    skip_special_tokens=True).strip()
+        assert message["value"] == expected and expected
+        chat.append({"role": "assistant", "content": expected})
+
+
+def test_left_padded_batches_answer_as_one_prompt_at_a_time(model, tokenizer, tmp_path):
+    distill(model, tokenizer, PROMPTS, tmp_path / "batched.jsonl", GREEDY, progress=False)
+    single = DistillConfig(**{**GREEDY.__dict__, "batch_size": 1})
+    distill(model, tokenizer, PROMPTS, tmp_path / "single.jsonl", single, progress=False)
+    batched = {r["id"]: r for r in lines(tmp_path / "batched.jsonl")}
+    assert batched == {r["id"]: r for r in lines(tmp_path / "single.jsonl")} and len(batched) == len(PROMPTS)
+    assert len({r["conversations"][1]["value"] for r in batched.values()}) > 1  # not one answer for all
+
+
+def test_a_killed_run_resumes_without_duplicates_or_partial_lines(model, tokenizer, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert distill(model, tokenizer, PROMPTS[:3], out, GREEDY, progress=False).records == 3
+    before = out.read_bytes()
+    with open(out, "a") as file:  # killed while writing the 4th record
+        file.write(json.dumps({"id": "p3", "conversations": []})[:15])
+    assert completed_ids(out) == {"p0", "p1", "p2"} and out.read_bytes() == before
+    stats = distill(model, tokenizer, PROMPTS, out, GREEDY, progress=False)
+    assert stats.records == 2 and stats.tokens > 0
+    assert out.read_bytes().startswith(before)
+    assert sorted(r["id"] for r in lines(out)) == [p.id for p in PROMPTS]
+    assert distill(model, tokenizer, PROMPTS, out, GREEDY, progress=False).records == 0  # all done
+
+
+def test_cli_distills_with_sampling_and_resumes(model, tokenizer, tmp_path):
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    seeds = write_jsonl(tmp_path / "seeds.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in PROMPTS])
+    args = ["distill", "--input", str(seeds), "--model", str(tmp_path / "model"), "--max-new-tokens", "4",
+            "--batch-size", "2", "--temperature", "0.7"]
+    main([*args, "--output", str(tmp_path / "a.jsonl"), "--limit", "2"])
+    assert [r["id"] for r in lines(tmp_path / "a.jsonl")] == ["p1", "p0"]  # longest first
+    main([*args, "--output", str(tmp_path / "a.jsonl"), "--limit", "4"])
+    assert sorted(r["id"] for r in lines(tmp_path / "a.jsonl")) == ["p0", "p1", "p2", "p3"]
+    main([*args, "--output", str(tmp_path / "b.jsonl"), "--limit", "4"])  # same seed, same samples
+    assert {r["id"]: r for r in lines(tmp_path / "b.jsonl")}["p3"] == {r["id"]: r for r in lines(tmp_path / "a.jsonl")}["p3"]
+    with pytest.raises(SystemExit):
+        main([*args, "--output", str(tmp_path / "c.jsonl"), "--limit", "0"])

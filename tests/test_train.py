@@ -1,0 +1,260 @@
+"""Head training: target alignment, assistant-only labels, MEDUSA-1 / MEDUSA-2 on tiny models, resume, errors."""
+
+import json
+import math
+from itertools import groupby
+
+import pytest
+import torch
+from conftest import tiny_model, tiny_tokenizer
+from engine_helpers import one_thread
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, TrainerCallback
+
+from medusa_decoding import MedusaModel, default_model
+from medusa_decoding.cli import main
+from medusa_decoding.config import HeadsConfig, TrainConfig
+from medusa_decoding.heads import MedusaHeads
+from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
+from medusa_decoding.training.train import (
+    MedusaTrainingModel, future_labels, heads_loss, heads_weight, load_backbone, make_heads, prepare_backbone, train,
+)
+
+pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+I = IGNORE_INDEX
+CONFIG = TrainConfig(num_heads=3, max_steps=30, batch_size=4, learning_rate=1e-2, warmup_steps=2, save_steps=10,
+                     logging_steps=5, eval_fraction=0.2)
+
+
+def counting(n: int = 24, length: int = 12) -> list[list[dict]]:
+    """Answers that count up word by word: every head can learn its offset."""
+    return [
+        [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": " ".join(f"w{s + i}" for i in range(length))}]
+        for s in range(n)
+    ]
+
+
+class Recorder(TrainerCallback):
+    """Training losses as logged, and the optimizer's parameter groups."""
+
+    def __init__(self):
+        self.losses, self.groups = [], []
+
+    def on_train_begin(self, args, state, control, optimizer=None, **kwargs):
+        self.groups = [(group["initial_lr"], {id(p) for p in group["params"]}) for group in optimizer.param_groups]
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if "loss" in logs:
+            self.losses.append(logs["loss"])
+
+
+class Kill(TrainerCallback):
+    """Raises after step `at`'s update, before it could be checkpointed: a process killed mid-run."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.at:
+            raise KeyboardInterrupt(f"killed at step {self.at}")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+def model_for(tokenizer, **overrides):
+    return tiny_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id, **overrides)
+
+
+def test_future_labels_shift_targets_left_by_the_offset():
+    labels = torch.tensor([[I, I, I, 13, 14, 15, 16]])
+    assert future_labels(labels, 1).tolist() == [[I, I, 13, 14, 15, 16, I]]  # the LM head: t+1
+    assert future_labels(labels, 2).tolist() == [[I, 13, 14, 15, 16, I, I]]  # head 0: t+2
+
+
+@pytest.mark.parametrize("shift, hit", [(0, True), (-1, False)])
+def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
+    """Oracle heads: head k maps the one-hot hidden state of position t to token x[t+k+2+shift]."""
+    tokens = [7, 8, 9, 10, 11, 12, 13]
+    labels = torch.tensor([[I, I, I, 10, 11, 12, 13]])  # positions 0-2 are the prompt
+    length, vocab = len(tokens), 20
+    heads = MedusaHeads(HeadsConfig(hidden_size=length, vocab_size=vocab, num_heads=3, projection="own"))
+    with torch.no_grad():
+        for k, head in enumerate(heads.heads):
+            head[-1].weight.zero_()
+            for t in range(length):
+                if 0 <= t + k + 2 + shift < length:
+                    head[-1].weight[tokens[t + k + 2 + shift], t] = 30.0
+    loss, hits = heads_loss(heads, None, torch.eye(length)[None], labels, decay=0.8)
+    # targets by hand: head 0 at t=1..4 (x3..x6), head 1 at t=0..3, head 2 at t=0..2
+    assert hits[0, :, 2].tolist() == [4, 4, 3]
+    assert hits[0, :, 0].tolist() == ([4, 4, 3] if hit else [0, 0, 0])
+    assert (loss < 1e-6) if hit else (loss > 10)
+
+
+def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():
+    tokenizer = AutoTokenizer.from_pretrained(default_model.converted_dir())  # SmolLM2: BPE, default system prompt
+    chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
+            {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
+    ids, labels = assistant_labels(tokenizer, chat)
+    assert ids == tokenizer.apply_chat_template(chat, return_dict=False)
+    runs = groupby(zip(ids, labels), key=lambda pair: pair[1] != I)
+    spans = [tokenizer.decode([token for token, _ in run]) for trained, run in runs if trained]
+    assert spans == ["Hello! How can I help?<|im_end|>\n", "Blue.<|im_end|>\n"]
+
+
+def test_heads_weight_ramps_along_a_sine_only_for_medusa2_without_init_heads():
+    medusa2 = TrainConfig(mode="medusa2", warmup_steps=10, lambda0=0.2)
+    assert heads_weight(TrainConfig(), 0, ramp=True) == 1.0
+    assert [heads_weight(medusa2, s, ramp=True) for s in (0, 5, 10, 50)] == pytest.approx(
+        [0.0, 0.2 * math.sin(math.pi / 4), 0.2, 0.2])
+    assert heads_weight(medusa2, 0, ramp=False) == 0.2
+
+
+def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path):
+    model = model_for(tokenizer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    recorder = Recorder()
+    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own"})
+    accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
+    assert recorder.losses[-1] < 0.6 * recorder.losses[0]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert len(recorder.groups) == 1  # the heads alone are optimised
+    saved = json.loads((tmp_path / "heads" / "head_accuracy.json").read_text())
+    assert saved == json.loads(json.dumps(accuracy)) and [h["predicts"] for h in saved["heads"]] == ["t+2", "t+3", "t+4"]
+    assert saved["heads"][0]["top5"] > 0.5
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    medusa = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "heads")
+    assert medusa.heads.config.num_heads == 3
+    assert medusa.generate("w1 w2 w3", max_new_tokens=8).token_ids == medusa.generate(
+        "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
+
+
+def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_original(tokenizer):
+    config = TrainConfig(mode="medusa2", num_heads=2)
+    model = model_for(tokenizer, tie_word_embeddings=True)
+    batch = collate(build_examples(tokenizer, counting(4), 64), pad_id=0)
+    with torch.no_grad():
+        original = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    wrapper = MedusaTrainingModel(prepare_backbone(model, config), make_heads(model, config, None), config).train()
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+
+    def kl() -> float:
+        hidden = wrapper.hidden_states(ids, mask)
+        return wrapper.lm_loss(wrapper.causal_lm.get_output_embeddings(), hidden, ids, mask, batch["labels"]).item()
+
+    assert kl() == 0.0  # LoRA B = 0: the student is the original
+    with torch.no_grad():
+        for name, p in wrapper.backbone.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+        adapted = wrapper.backbone(input_ids=ids, attention_mask=mask).logits
+        with wrapper.backbone.disable_adapter():
+            disabled = wrapper.backbone(input_ids=ids, attention_mask=mask).logits
+    assert not torch.allclose(adapted, original)
+    assert torch.equal(disabled, original)
+    assert kl() > 0
+
+
+def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, tmp_path):
+    from peft import PeftModel
+
+    overrides = {"mode": "medusa2", "lambda0": 1.0, "warmup_steps": 0, "learning_rate": 3e-2}  # no ramp: one loss
+    recorder = Recorder()
+    train(model_for(tokenizer, tie_word_embeddings=True), tokenizer, counting(), tmp_path / "out",
+          TrainConfig(**{**CONFIG.__dict__, **overrides}), merge=True, callbacks=[recorder])
+    assert recorder.losses[-1] < 0.75 * recorder.losses[0]
+    (heads_lr, heads_params), (backbone_lr, _) = recorder.groups
+    assert heads_lr == pytest.approx(4 * backbone_lr)
+
+    ids = torch.tensor([tokenizer.apply_chat_template(counting(1)[0], return_dict=False)])
+    original = model_for(tokenizer, tie_word_embeddings=True)
+    with torch.no_grad():
+        expected = original(ids).logits
+        adapted = PeftModel.from_pretrained(model_for(tokenizer, tie_word_embeddings=True), tmp_path / "out" / "adapter")
+        with adapted.disable_adapter():
+            assert torch.equal(adapted(ids).logits, expected)
+        medusa = MedusaModel.from_pretrained(tmp_path / "out")  # the merged backbone + its heads
+        merged = medusa.model(ids).logits
+        assert torch.allclose(merged, adapted(ids).logits, atol=1e-5) and not torch.allclose(merged, expected)
+    assert torch.equal(medusa.model.get_input_embeddings().weight, original.get_input_embeddings().weight)
+    trained = load_file(tmp_path / "out" / "model.safetensors")
+    assert all(torch.equal(v, medusa.heads.state_dict()[k]) for k, v in trained.items())
+
+
+def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path):
+    config = TrainConfig(**{**CONFIG.__dict__, "mode": "medusa2", "max_steps": 6, "save_steps": 2, "eval_fraction": 0.0})
+    data = counting(20)  # 5 steps an epoch: the run crosses an epoch boundary
+    train(model_for(tokenizer), tokenizer, data, tmp_path / "whole", config)
+    with pytest.raises(KeyboardInterrupt):
+        train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config, callbacks=[Kill(at=5)])
+    assert not (tmp_path / "killed" / "model.safetensors").exists()
+    partial = tmp_path / "killed" / "checkpoints" / "checkpoint-6"  # a later kill, in the middle of a save
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"\0" * 100)
+    train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config, resume=True)
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+        whole, resumed = load_file(tmp_path / "whole" / name), load_file(tmp_path / "killed" / name)
+        assert whole.keys() == resumed.keys()
+        assert all(torch.equal(whole[k], resumed[k]) for k in whole), name
+
+
+def test_cli_trains_from_a_distilled_file_and_starts_from_init_heads(tokenizer, tmp_path):
+    model_for(tokenizer).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    data = tmp_path / "distilled.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human" if m["role"] == "user" else "gpt", "value": m["content"]} for m in chat]}) + "\n"
+        for i, chat in enumerate(counting(8))))
+    common = ["--data", str(data), "--model", str(tmp_path / "base"), "--num-heads", "2", "--max-steps", "2",
+              "--batch-size", "4", "--eval-fraction", "0.25"]
+    main(["train", *common, "--output", str(tmp_path / "m1")])
+    main(["train", *common, "--output", str(tmp_path / "m2"), "--mode", "medusa2", "--init-heads", str(tmp_path / "m1")])
+    assert json.loads((tmp_path / "m2" / "train_config.json").read_text())["mode"] == "medusa2"
+    assert len(json.loads((tmp_path / "m2" / "head_accuracy.json").read_text())["heads"]) == 2
+    with pytest.raises(SystemExit):  # checkpoints there already: resume, or another directory
+        main(["train", *common, "--output", str(tmp_path / "m1")])
+
+
+def test_init_heads_are_the_starting_point(tokenizer, tmp_path):
+    model = model_for(tokenizer)
+    config = TrainConfig(num_heads=2, projection="own")
+    saved = make_heads(model, config, None)
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.normal_()
+    saved.save_pretrained(tmp_path)
+    loaded = make_heads(model, config, tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_errors(tokenizer, tmp_path, monkeypatch):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="empty"):
+        read_conversations(empty)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"id": "q", "conversations": [{"from": "human", "value": "w1"}]}) + "\n")
+    with pytest.raises(ValueError, match="no assistant turns"):
+        train(model_for(tokenizer), tokenizer, read_conversations(questions), tmp_path / "out", CONFIG)
+
+    other = tiny_model("llama", vocab_size=len(tokenizer), hidden_size=64)  # another base model
+    make_heads(other, CONFIG, None).save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="hidden_size=64"):
+        make_heads(model_for(tokenizer), CONFIG, tmp_path / "other")
+    make_heads(model_for(tokenizer), TrainConfig(num_heads=2), None).save_pretrained(tmp_path / "two")
+    with pytest.raises(ValueError, match="num_heads=2"):
+        make_heads(model_for(tokenizer), TrainConfig(num_heads=3), tmp_path / "two")
+
+    with pytest.raises(ValueError, match="no checkpoint"):
+        train(model_for(tokenizer), tokenizer, counting(4), tmp_path / "fresh", CONFIG, resume=True)
+    with pytest.raises(ValueError, match="merge"):
+        train(model_for(tokenizer), tokenizer, counting(4), tmp_path / "m1", CONFIG, merge=True)
+    with pytest.raises(ValueError, match="mode"):
+        TrainConfig(mode="medusa3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="CUDA GPU"):
+        load_backbone(None, TrainConfig(quantize="4bit"))
