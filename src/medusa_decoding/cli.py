@@ -65,22 +65,65 @@ def cmd_generate(args) -> None:
     print()
 
 
+UNTRAINED = (
+    "heads: UNTRAINED. Fresh heads only repeat the base model's next-token guess, so almost no guess is\n"
+    "accepted: this run shows that the machinery works and is lossless, not a speedup (expect MEDUSA to be\n"
+    "somewhat slower than plain decoding). Train heads with `medusa distill` + `medusa train`, then --heads DIR."
+)
+
+
+def heads_trained(heads) -> bool:
+    """Fresh heads keep every residual block at its zero init; training moves them."""
+    from .heads import ResBlock
+
+    return any(bool(block.linear.weight.any()) for block in heads.modules() if isinstance(block, ResBlock))
+
+
+def combined(outputs: list):
+    """Several GenerationOutputs as one: their tokens, forward passes and seconds added up."""
+    from .model import GenerationOutput
+
+    return GenerationOutput(
+        token_ids=[t for out in outputs for t in out.token_ids],
+        accept_lengths=[n for out in outputs for n in out.accept_lengths],
+        seconds=sum(out.seconds for out in outputs),
+    )
+
+
+def demo_row(label: str, fast, plain, identical: bool) -> str:
+    """One line of the demo's table: MEDUSA (`fast`) against plain decoding."""
+    speedup = fast.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0
+    return (f"{label[:40]:<40} {len(fast.token_ids):>6} {fast.tokens_per_s:>12.1f} {fast.acceleration_rate:>11.2f} "
+            f"{plain.tokens_per_s:>11.1f} {speedup:>7.2f}x  {'yes' if identical else 'NO'}")
+
+
 def cmd_demo(args) -> None:
-    medusa = load(args)
+    from transformers import TextStreamer
+
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
-    print(f"model: {medusa.model.name_or_path}  heads: {medusa.heads.config.num_heads} "
-          f"  tree: {medusa.tree.num_nodes - 1} nodes\n")
+    medusa = load(args)
+    trained = heads_trained(medusa.heads)
+    print(f"MEDUSA demo: {args.model or DEFAULT_MODEL.name}, {medusa.heads.config.num_heads} "
+          f"{'trained' if trained else 'untrained'} heads, a tree of {medusa.tree.num_nodes - 1} candidates, "
+          f"greedy, up to {config.max_new_tokens} new tokens per answer")
+    print("heads: trained" if trained else UNTRAINED)
+    medusa.generate(DEFAULT_MODEL.demo_prompts[0], config=config, max_new_tokens=3)  # warm-up, not timed
     rows = []
     for prompt in DEFAULT_MODEL.demo_prompts:
-        print(f">>> {prompt}")
-        for piece in medusa.stream(prompt, config=config):
-            print(piece, end="", flush=True)
-        print()
-        out = medusa.generate(prompt, config=config)
+        print(f"\n>>> {prompt}")
+        streamer = TextStreamer(medusa.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        fast = medusa.generate(prompt, config=config, streamer=streamer)  # timed while it streams
         plain = medusa.generate(prompt, config=config, medusa=False)
-        rows.append((out, plain))
-        print(f"    MEDUSA {out.tokens_per_s:6.1f} tok/s ({out.acceleration_rate:.2f} tokens/step)   "
-              f"plain {plain.tokens_per_s:6.1f} tok/s   identical: {out.token_ids == plain.token_ids}\n")
+        rows.append((prompt, fast, plain, fast.token_ids == plain.token_ids))
+        print(f"    MEDUSA {fast.tokens_per_s:.1f} tok/s ({fast.acceleration_rate:.2f} tokens/step)  |  "
+              f"plain {plain.tokens_per_s:.1f} tok/s  |  identical: {'yes' if rows[-1][3] else 'NO'}")
+    print(f"\n{'prompt':<40} {'tokens':>6} {'MEDUSA tok/s':>12} {'tokens/step':>11} {'plain tok/s':>11} "
+          f"{'speedup':>8}  identical")
+    for row in rows:
+        print(demo_row(*row))
+    fast, plain = combined([row[1] for row in rows]), combined([row[2] for row in rows])
+    print(demo_row("all prompts", fast, plain, all(row[3] for row in rows)))
+    print("tok/s: new tokens / wall time incl. prefill; tokens/step: new tokens / forward passes (same engine)")
 
 
 def cmd_export(args) -> None:
@@ -187,7 +230,7 @@ def main(argv=None) -> None:
 
     p = sub.add_parser("demo", help="answer a few prompts on the embedded default, MEDUSA vs plain")
     add_model_arguments(p)
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULT_MODEL.demo_max_new_tokens)
     p.set_defaults(run=cmd_demo)
 
     p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
@@ -231,6 +274,9 @@ def main(argv=None) -> None:
     except (ValueError, FileNotFoundError, OSError) as error:
         print(f"medusa {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt:  # Ctrl-C: stop quietly, as a shell command does
+        print(file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

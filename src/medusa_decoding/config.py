@@ -46,9 +46,7 @@ class GenerationConfig:
     medusa: bool = True  # False: plain one-token-per-step decoding in the same engine
 
     def __post_init__(self):
-        if self.acceptance == "auto":
-            object.__setattr__(self, "acceptance", "greedy" if self.temperature == 0 else "rejection")
-        if self.acceptance not in ACCEPTANCE_RULES:
+        if self.acceptance not in ACCEPTANCE_RULES + ("auto",):
             raise ValueError(f"acceptance must be one of {ACCEPTANCE_RULES + ('auto',)}, got {self.acceptance!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
@@ -61,6 +59,13 @@ class GenerationConfig:
         if self.acceptance == "greedy" and self.temperature > 0:
             raise ValueError("acceptance 'greedy' needs temperature 0; use 'typical' or 'rejection' to sample")
         object.__setattr__(self, "stop", tuple(self.stop))
+
+    @property
+    def rule(self) -> str:
+        """The acceptance rule in force. "auto" stays stored, so `replace(config, temperature=0.7)` re-resolves it."""
+        if self.acceptance == "auto":
+            return "greedy" if self.temperature == 0 else "rejection"
+        return self.acceptance
 
 
 @dataclass(frozen=True)
@@ -151,6 +156,7 @@ class DefaultModel:
             "List three tips for staying focused while studying.",
         )
     )
+    demo_max_new_tokens: int = 96  # three answers, MEDUSA and plain, in about two minutes on a laptop CPU
 
 
 DEFAULT_MODEL = DefaultModel()

@@ -97,7 +97,7 @@ def decode(
     tree = tree if config.medusa else PLAIN
     if tree.num_nodes > 1:
         tree.check_heads(heads.config.num_heads)
-    rule = RULES[config.acceptance]
+    rule = RULES[config.rule]
     lm_head = model.get_output_embeddings()
     with torch.inference_mode():
         cache, logits, hidden = prefill(model, prompt)

@@ -1,0 +1,109 @@
+"""`medusa generate` and `medusa demo` as a user runs them: a subprocess, its stdout, stderr and exit code."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from medusa_decoding import HeadsConfig, MedusaHeads
+from medusa_decoding.cli import heads_trained, main
+from medusa_decoding.config import DEFAULT_MODEL
+
+PROMPT = "Name three primary colours."  # untrained heads still get a few guesses accepted on this one
+MAX_NEW_TOKENS = 24
+USAGE_ERROR = 2
+
+
+def medusa(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "medusa_decoding.cli", *args], capture_output=True, text=True, timeout=600
+    )
+
+
+@pytest.fixture(scope="module")
+def generated() -> dict:
+    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy", "--json")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.count("\n") == 1, run.stdout  # one JSON object, nothing else: progress bars went to stderr
+    return json.loads(run.stdout)
+
+
+def test_generate_json_is_transformers_greedy(generated, smollm):
+    messages = [{"role": "user", "content": PROMPT}]
+    prompt = torch.tensor([smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
+    with torch.inference_mode():
+        reference = smollm.model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=MAX_NEW_TOKENS
+        )
+    assert generated["token_ids"] == reference[0, prompt.shape[1]:].tolist()
+    assert generated["text"] == smollm.tokenizer.decode(generated["token_ids"], skip_special_tokens=True)
+    assert set(generated) == {"text", "token_ids", "steps", "accept_lengths", "tokens_per_s"}
+    assert sum(generated["accept_lengths"]) == len(generated["token_ids"])
+    assert generated["steps"] == len(generated["accept_lengths"])
+    assert max(generated["accept_lengths"]) > 1  # the tree was verified and some guesses were accepted
+    assert generated["tokens_per_s"] > 0
+
+
+def test_streamed_text_is_the_json_text(generated):
+    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == generated["text"] + "\n"
+
+
+def test_sampling_options_reach_the_engine(capsys):
+    """--temperature alone switches the default acceptance ("auto") to rejection sampling; --seed repeats a run."""
+    args = ["generate", "--prompt", PROMPT, "--max-new-tokens", "6", "--temperature", "1.5", "--seed", "3", "--json"]
+    runs = []
+    for _ in range(2):
+        main(args)
+        runs.append(json.loads(capsys.readouterr().out))
+    assert runs[0]["token_ids"] == runs[1]["token_ids"] and len(runs[0]["token_ids"]) == 6
+
+
+@pytest.fixture(scope="module")
+def bad_heads(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("heads")
+    MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=96)).save_pretrained(root / "tiny")
+    MedusaHeads(HeadsConfig(hidden_size=576, vocab_size=49152)).save_pretrained(root / "corrupt")
+    (root / "corrupt" / "model.safetensors").write_bytes(b"not a safetensors file")
+    return {"root": root, "tiny": root / "tiny", "corrupt": root / "corrupt"}
+
+
+BAD_INPUTS = {
+    "missing model": (lambda h: ["--model", str(h["root"] / "no-such-model")], r"no-such-model does not exist"),
+    "bad tree": (lambda h: ["--tree", "[[0], [0, 0, 0]]"], r"tree: not prefix-closed"),
+    "tree deeper than heads": (lambda h: ["--tree", "[1, 1, 1, 1, 1]"], r"tree: depth 5 needs 5 heads"),
+    "empty prompt": (lambda h: ["--prompt", ""], r"prompt is empty"),
+    "prompt too long": (lambda h: ["--prompt", "word " * 9000], r"exceeds the model's context of 8192 tokens"),
+    "heads for another model": (lambda h: ["--heads", str(h["tiny"])], r"built for hidden_size=32, vocab_size=96"),
+    "corrupt heads": (lambda h: ["--heads", str(h["corrupt"])], r"corrupt"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_INPUTS)
+def test_bad_input_exits_2_with_a_message(case, bad_heads, capsys):
+    """In-process (main() is what the `medusa` script calls): any other exception would fail this test."""
+    extra, message = BAD_INPUTS[case]
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", PROMPT, "--max-new-tokens", "4", "--json", *extra(bad_heads)])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == USAGE_ERROR, err
+    assert out == ""
+    assert re.search(message, err), err
+    assert "medusa generate: error:" in err
+
+
+def test_demo_streams_and_compares_both_speeds(smollm):
+    run = medusa("demo", "--max-new-tokens", "8")
+    assert run.returncode == 0, run.stderr
+    out = run.stdout
+    for prompt in DEFAULT_MODEL.demo_prompts:
+        assert f">>> {prompt}" in out
+    speeds = re.findall(r"MEDUSA (\d+\.\d) tok/s \((\d\.\d\d) tokens/step\)  \|  plain (\d+\.\d) tok/s  \|  identical: yes", out)
+    assert len(speeds) == len(DEFAULT_MODEL.demo_prompts), out
+    assert all(float(medusa_speed) > 0 and float(plain_speed) > 0 for medusa_speed, _, plain_speed in speeds)
+    assert re.search(r"^all prompts +\d+ +\d+\.\d +\d\.\d\d +\d+\.\d +\d+\.\d\dx  yes$", out, re.MULTILINE), out
+    assert ("untrained heads" in out) == (not heads_trained(smollm.heads))  # the same heads the demo loads

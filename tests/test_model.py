@@ -1,0 +1,230 @@
+"""MedusaModel's API: generate / stream / streamers, stop strings, budgets, inputs, loading and saving.
+
+Most tests run tiny random models of each family behind SmolLM2's real tokenizer (random weights emit odd
+tokens, partial UTF-8 characters included); the rest use the embedded default (`smollm`).
+"""
+
+import threading
+
+import pytest
+import torch
+from transformers import TextIteratorStreamer, TextStreamer
+
+import medusa_decoding.model as model_module
+from medusa_decoding import GenerationConfig, HeadsConfig, MedusaHeads, MedusaModel, Tree
+from medusa_decoding.decoding import context_limit
+from medusa_decoding.model import TREE_NAME
+
+from conftest import tiny_model
+
+PROMPT = "Write a short story about a dragon who learns to bake bread."
+TINY_TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+STORY_TOKENS = 16
+
+
+def random_heads(base, num_heads: int = 3, seed: int = 0) -> MedusaHeads:
+    """Heads whose residual blocks are not the zero init, so they guess differently from the base."""
+    config = base.config.get_text_config()
+    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads), base.get_output_embeddings())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.normal_(0, 0.5)
+    return heads
+
+
+@pytest.fixture
+def tiny(family, smollm) -> MedusaModel:
+    """A tiny random `family` model with SmolLM2's tokenizer and chat template."""
+    base = tiny_model(family, vocab_size=len(smollm.tokenizer))
+    return MedusaModel(base, smollm.tokenizer, random_heads(base), Tree.from_spec(TINY_TREE))
+
+
+def collected_text(streamer_cls, medusa: MedusaModel, **kwargs) -> str:
+    """The text a transformers streamer received while `generate` ran."""
+    if streamer_cls is TextIteratorStreamer:
+        streamer = TextIteratorStreamer(medusa.tokenizer, skip_prompt=True, skip_special_tokens=True)
+        thread = threading.Thread(target=medusa.generate, kwargs={**kwargs, "streamer": streamer})
+        thread.start()
+        text = "".join(streamer)
+        thread.join()
+        return text
+    pieces = []
+
+    class Collector(TextStreamer):
+        def on_finalized_text(self, text: str, stream_end: bool = False):
+            pieces.append(text)
+
+    medusa.generate(**kwargs, streamer=Collector(medusa.tokenizer, skip_prompt=True, skip_special_tokens=True))
+    return "".join(pieces)
+
+
+# --- generate, stream and streamers agree ----------------------------------------------------------------
+
+
+def test_stream_pieces_concatenate_to_generate_text(tiny):
+    out = tiny.generate(PROMPT, max_new_tokens=40)
+    pieces = list(tiny.stream(PROMPT, max_new_tokens=40))
+    assert "".join(pieces) == out.text
+    assert all(pieces)
+    assert out.text == tiny.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert sum(out.accept_lengths) == len(out.token_ids) and out.steps == len(out.accept_lengths)
+    assert out.acceleration_rate == len(out.token_ids) / out.steps
+
+
+@pytest.fixture(scope="module")
+def story(smollm):
+    """The embedded default's greedy answer to PROMPT, computed once for the tests below."""
+    out = smollm.generate(PROMPT, max_new_tokens=STORY_TOKENS)
+    assert len(out.token_ids) == STORY_TOKENS and out.text.strip()
+    return out
+
+
+def test_stream_on_the_embedded_default(smollm, story):
+    assert "".join(smollm.stream(PROMPT, max_new_tokens=STORY_TOKENS)) == story.text
+
+
+@pytest.mark.parametrize("streamer_cls", [TextStreamer, TextIteratorStreamer])
+def test_transformers_streamer_receives_the_text(streamer_cls, smollm, story):
+    assert collected_text(streamer_cls, smollm, prompt=PROMPT, max_new_tokens=STORY_TOKENS) == story.text
+
+
+def test_streamer_receives_the_tokens_up_to_a_stop_string(smollm, story):
+    stop = stop_string_across_tokens(smollm, story.token_ids, at=3)
+    received = collected_text(TextIteratorStreamer, smollm, prompt=PROMPT, max_new_tokens=STORY_TOKENS, stop=(stop,))
+    completing = shortest_prefix_containing(smollm, story.token_ids, stop)
+    assert received == smollm.decode(completing)  # like transformers' stop_strings: whole tokens, not cut text
+
+
+# --- stop strings ------------------------------------------------------------------------------------------
+
+
+def stop_string_across_tokens(medusa: MedusaModel, ids: list[int], at: int) -> str:
+    """The text of tokens at and at+1: a stop string that only the second of them completes."""
+    before, after = medusa.decode(ids[:at]), medusa.decode(ids[: at + 2])
+    assert after.startswith(before) and len(after) > len(before) + 1
+    return after[len(before):]
+
+
+def shortest_prefix_containing(medusa: MedusaModel, ids: list[int], stop: str) -> list[int]:
+    return next(ids[:n] for n in range(1, len(ids) + 1) if stop in medusa.decode(ids[:n]))
+
+
+@pytest.mark.parametrize("at", [0, 9])
+def test_stop_string_cuts_text_tokens_and_stream(smollm, story, at):
+    stop = stop_string_across_tokens(smollm, story.token_ids, at)
+    out = smollm.generate(PROMPT, max_new_tokens=STORY_TOKENS, stop=("never appears \x00", stop))
+    assert out.text == story.text[: story.text.index(stop)]  # cut before the earliest stop string
+    assert out.token_ids == shortest_prefix_containing(smollm, story.token_ids, stop)  # up to the completing token
+    pieces = list(smollm.stream(PROMPT, max_new_tokens=STORY_TOKENS, stop=(stop,)))
+    assert "".join(pieces) == out.text  # never a part of the stop string, even the one held back at the end
+
+
+def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
+    """A stop string completed mid-step keeps the step's tokens up to the completing one, not the rest."""
+    ids = smollm.tokenizer(" one two three four five six")["input_ids"]
+    steps = [ids[:1], ids[1:5], ids[5:]]
+    monkeypatch.setattr(model_module, "decode", lambda *args: iter(steps))
+    out = smollm.generate("hi", stop=("two thr",))
+    assert out.text == " one "
+    assert out.token_ids == ids[:3] and out.accept_lengths == [1, 2]
+    assert "".join(smollm.stream("hi", stop=("two thr",))) == " one "
+
+
+def test_stop_strings_hold_back_a_possible_start(smollm, monkeypatch):
+    ids = smollm.tokenizer(" one two three")["input_ids"]
+    monkeypatch.setattr(model_module, "decode", lambda *args: iter([[t] for t in ids]))
+    pieces = list(smollm.stream("hi", stop=(" two four",)))  # " two" could start it; " three" rules it out
+    assert pieces == [" one", " two three"]
+
+
+# --- budgets and inputs ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("medusa_on", [True, False])
+def test_max_new_tokens_is_exact(tiny, medusa_on):
+    for budget in (1, 2, 3, 7, 33):
+        out = tiny.generate(PROMPT, max_new_tokens=budget, medusa=medusa_on)
+        assert len(out.token_ids) == budget
+
+
+def test_max_new_tokens_exact_on_the_embedded_default(smollm):
+    for budget in (1, 5):
+        assert len(smollm.generate(PROMPT, max_new_tokens=budget).token_ids) == budget
+
+
+def test_sampling_with_a_seed_repeats(tiny):
+    """temperature as an override: acceptance "auto" must resolve to a sampling rule, not stay greedy."""
+    first = tiny.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=7)
+    assert first.token_ids == tiny.generate(PROMPT, config=GenerationConfig(max_new_tokens=16, temperature=0.9, seed=7)).token_ids
+    assert first.token_ids != tiny.generate(PROMPT, max_new_tokens=16).token_ids  # sampled, not greedy
+
+
+def test_chat_messages_go_through_the_chat_template(smollm):
+    messages = [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": "Hello! How can I help?"},
+        {"role": "user", "content": "Name a colour."},
+    ]
+    expected = smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+    assert smollm.encode(messages=messages).tolist() == expected
+    single = [{"role": "user", "content": PROMPT}]
+    assert smollm.encode(messages=single).tolist() == smollm.encode(PROMPT).tolist()  # a string is one user turn
+    assert smollm.encode(PROMPT, raw=True).tolist() == smollm.tokenizer(PROMPT)["input_ids"]
+    by_messages = smollm.generate(messages=messages, max_new_tokens=8)
+    assert by_messages.token_ids == smollm.generate(expected, max_new_tokens=8).token_ids  # token ids as prompt
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"prompt": ""}, {"prompt": "", "raw": True}, {"messages": []}, {"messages": [{"role": "user", "content": " "}]},
+     {"prompt": []}],
+    ids=["empty string", "empty raw string", "no messages", "blank message", "no token ids"],
+)
+def test_empty_prompt_is_a_clear_error(smollm, kwargs):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        smollm.generate(**kwargs, max_new_tokens=4)
+
+
+def test_prompt_longer_than_the_context_is_a_clear_error(tiny):
+    limit = context_limit(tiny.model)
+    with pytest.raises(ValueError, match=f"exceeds the model's context of {limit} tokens"):
+        tiny.generate(list(range(3, limit + 4)), max_new_tokens=1)
+    with pytest.raises(ValueError, match=rf"prompt \({limit - 10} tokens\) \+ max_new_tokens \(11\)"):
+        tiny.generate(list(range(3, limit - 7)), max_new_tokens=11)
+
+
+# --- loading and saving ------------------------------------------------------------------------------------
+
+
+def test_missing_model_path_names_it(tmp_path):
+    missing = tmp_path / "no-such-model"
+    with pytest.raises(FileNotFoundError, match="no-such-model"):
+        MedusaModel.from_pretrained(missing)
+
+
+def test_heads_for_another_model_are_refused(tmp_path):
+    MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=96, base_model="tiny")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .* has hidden_size=576, vocab_size=49152"):
+        MedusaModel.from_pretrained(heads=tmp_path)
+
+
+def test_corrupt_heads_checkpoint_is_refused(tmp_path, smollm):
+    random_heads(smollm.model).save_pretrained(tmp_path)
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by an interrupted copy
+    with pytest.raises(ValueError, match="corrupt"):
+        MedusaModel.from_pretrained(heads=tmp_path)
+
+
+def test_save_and_load_restore_heads_and_tree(tmp_path, smollm):
+    tree = Tree.from_spec([2, 2])
+    saved = MedusaModel(smollm.model, smollm.tokenizer, random_heads(smollm.model, num_heads=2), tree)
+    saved.save_pretrained(tmp_path)
+    assert (tmp_path / TREE_NAME).is_file()
+    loaded = MedusaModel.from_pretrained(heads=tmp_path)
+    assert loaded.tree.paths == tree.paths
+    assert loaded.heads.config == saved.heads.config
+    expected = saved.heads.state_dict()
+    assert all(torch.equal(value, expected[name]) for name, value in loaded.heads.state_dict().items())
+    assert loaded.generate(PROMPT, max_new_tokens=8).token_ids == saved.generate(PROMPT, max_new_tokens=8).token_ids
