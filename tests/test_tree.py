@@ -128,6 +128,9 @@ def test_check_heads():
     with pytest.raises(ValueError, match="depth 3 needs 3 heads, but only 2 exist"):
         tree.check_heads(2)
     Tree.from_spec([]).check_heads(0)
+    Tree.from_spec([[0], [7]]).check_heads(1, vocab_size=8)
+    with pytest.raises(ValueError, match="rank 8 needs a top-9, but the vocabulary has 8 tokens"):
+        Tree.from_spec([[0], [8]]).check_heads(1, vocab_size=8)
 
 
 def test_truncated():

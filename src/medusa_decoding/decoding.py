@@ -96,7 +96,7 @@ def decode(
     check_context(model, prompt.shape[-1], config.max_new_tokens)
     tree = tree if config.medusa else PLAIN
     if tree.num_nodes > 1:
-        tree.check_heads(heads.config.num_heads)
+        tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
     rule = RULES[config.rule]
     lm_head = model.get_output_embeddings()
     with torch.inference_mode():

@@ -59,7 +59,7 @@ class MedusaModel:
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().weight.shape[0], model.name_or_path)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
-        self.tree.check_heads(heads.config.num_heads)
+        self.tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
         self.eos_ids = eos_ids(model, tokenizer)
 
     @classmethod

@@ -61,9 +61,12 @@ class Tree:
             return self
         return build(tuple(p for p in self.paths if len(p) <= max_depth))
 
-    def check_heads(self, num_heads: int) -> None:
+    def check_heads(self, num_heads: int, vocab_size: int | None = None) -> None:
+        """The heads must reach the tree's depth, and every rank must exist in the vocabulary."""
         if self.depth > num_heads:
             raise ValueError(f"tree: depth {self.depth} needs {self.depth} heads, but only {num_heads} exist")
+        if vocab_size is not None and self.topk_per_head() > vocab_size:
+            raise ValueError(f"tree: rank {self.topk_per_head() - 1} needs a top-{self.topk_per_head()}, but the vocabulary has {vocab_size} tokens")
 
 
 def parse_spec(text: str) -> Tree:
