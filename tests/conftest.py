@@ -56,6 +56,16 @@ def tiny_tokenizer():
     )
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: tiny models gain nothing from threads, and on a shared CPU two
+    OpenMP threads spin-wait against other processes (10-20x slower)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(params=FAMILIES)
 def family(request):
     return request.param

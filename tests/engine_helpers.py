@@ -1,6 +1,5 @@
 """Models and heads for the end-to-end engine tests: lively tiny models, random heads, oracle heads."""
 
-import pytest
 import torch
 from conftest import tiny_model
 
@@ -9,15 +8,6 @@ from medusa_decoding.heads import MedusaHeads
 
 WEIGHT_STD = 0.3  # tiny models at their init scale (0.02) repeat one token; this makes them wander
 ORACLE_RANK0, ORACLE_RANK1 = 0.7, 0.9  # luck below 0.7: rank 0, below 0.9: rank 1, else not proposed
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Tiny models gain nothing from threads, and on a shared CPU two threads thrash (20x slower)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):

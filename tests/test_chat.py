@@ -6,7 +6,6 @@ import sys
 
 import pexpect
 import pytest
-import torch
 
 from medusa_decoding.chat import ASSISTANT_PROMPT, USER_PROMPT
 
@@ -15,15 +14,6 @@ TIMEOUT_S = 240  # a loaded 2-core machine; typically a few seconds per answer
 FIRST, SECOND = "My name is Alice.", "What is my name?"
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STATS = re.compile(r"(\d+) tokens in (\d+) forward passes: acceleration ([\d.]+) tokens/pass, ([\d.]+) tokens/s")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    """Several engineers share two cores: one thread per process avoids OpenMP spinning against each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def spawn_chat() -> pexpect.spawn:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import FAMILIES, tiny_model
-from engine_helpers import OracleHeads, greedy_reference, lively_model, one_thread, random_heads
+from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding
@@ -30,7 +30,7 @@ PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
 MIN_TOKENS_PER_STEP = 2.0  # oracle heads must make MEDUSA accept long paths, or the test proves little
 SMOL_PROMPT = "Explain what a hash table is in two sentences."
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @dataclass(frozen=True)

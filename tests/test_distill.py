@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_tokenizer
-from engine_helpers import greedy_reference, lively_model, one_thread
+from engine_helpers import greedy_reference, lively_model
 
 from medusa_decoding.cli import main
 from medusa_decoding.config import DistillConfig
 from medusa_decoding.training.data import Prompt, read_prompts
 from medusa_decoding.training.distill import completed_ids, distill
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_thread")
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # ../shared/data beside the checkout
 GREEDY = DistillConfig(max_new_tokens=6, temperature=0.0, batch_size=3)
 PROMPTS = [Prompt(f"p{i}", (" ".join(f"w{j}" for j in range(i + 1)),)) for i in range(5)]  # lengths 1..5

@@ -8,7 +8,7 @@ same test must fail for deliberately broken verifiers (so it has the power to se
 import pytest
 import torch
 from conftest import FAMILIES
-from engine_helpers import OracleHeads, greedy_reference, lively_model, one_thread, random_heads
+from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
 from scipy.stats import chisquare
 
 from medusa_decoding import acceptance
@@ -17,7 +17,7 @@ from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode
 from medusa_decoding.tree import Tree
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 VOCAB = 6
 PROMPT = torch.tensor([1, 4, 2, 5, 3])

@@ -9,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 
 from medusa_decoding.config import DEFAULT_MODEL
@@ -30,15 +29,7 @@ PROMPTS = (
 )
 LONG_RUN = 1000  # tokens a disconnect test asks for: far more than it lets run
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"  # a raw prompt that keeps going
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread():
-    """On a shared 2-core machine, OpenMP threads that spin-wait for each other make a step 10x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

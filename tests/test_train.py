@@ -7,7 +7,6 @@ from itertools import groupby
 import pytest
 import torch
 from conftest import tiny_model, tiny_tokenizer
-from engine_helpers import one_thread
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, TrainerCallback
 
@@ -20,7 +19,7 @@ from medusa_decoding.training.train import (
     MedusaTrainingModel, future_labels, heads_loss, heads_weight, load_backbone, make_heads, prepare_backbone, train,
 )
 
-pytestmark = pytest.mark.usefixtures(one_thread.__name__)
+pytestmark = pytest.mark.usefixtures("one_thread")
 I = IGNORE_INDEX
 CONFIG = TrainConfig(num_heads=3, max_steps=30, batch_size=4, learning_rate=1e-2, warmup_steps=2, save_steps=10,
                      logging_steps=5, eval_fraction=0.2)
