@@ -185,7 +185,7 @@ BAD_REQUESTS = {
     "missing messages": (CHAT, {"model": MODEL_ID}, 400, "messages"),
     "messages of the wrong type": (CHAT, {**GOOD, "messages": "Hi"}, 400, "messages"),
     "temperature of the wrong type": (CHAT, {**GOOD, "temperature": "hot"}, 400, "temperature"),
-    "unknown model": (CHAT, {**GOOD, "model": "gpt-4"}, 404, "model"),
+    "unknown model": (CHAT, {**GOOD, "model": "gpt-4"}, 400, "model"),
     "negative max_tokens": (CHAT, {**GOOD, "max_tokens": -5}, 400, "max_tokens"),
     "zero max_completion_tokens": (CHAT, {**GOOD, "max_completion_tokens": 0}, 400, "max_completion_tokens"),
     "negative temperature": (CHAT, {**GOOD, "temperature": -0.5}, 400, "temperature"),
@@ -218,7 +218,7 @@ def test_bad_request_gets_an_openai_error_and_the_server_serves_on(base_url, cas
 
 
 def test_openai_client_sees_the_errors(client):
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
+    with pytest.raises(openai.BadRequestError, match="does not exist"):
         client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "Hi"}])
     with pytest.raises(openai.BadRequestError, match="context"):
         chat(client, "word " * 9000, stream=True)

@@ -359,7 +359,7 @@ def create_app(medusa: MedusaModel, model_id: str) -> FastAPI:
         if body.model != model_id:
             raise RequestError(
                 f"The model `{body.model}` does not exist; this server serves `{model_id}`",
-                "model", "model_not_found", status=404,
+                "model", "model_not_found",  # the issue asks 400; OpenAI itself answers 404
             )
 
     @app.post("/v1/chat/completions")
