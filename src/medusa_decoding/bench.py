@@ -1,0 +1,266 @@
+"""`medusa bench`: MEDUSA against plain decoding (same engine) and `transformers` generate, on MT-Bench.
+
+Every turn of every question is answered by the three decoders one after the other (their order rotating
+from turn to turn), so machine noise hits them alike. Turn 2's history holds the PLAIN decoder's answer to
+turn 1, so all three see the same prompt (greedy MEDUSA's answer is the same anyway: it is lossless).
+
+>>> questions = read_questions("mt_bench_question.jsonl", categories=["coding"], limit=2)
+>>> report = benchmark(MedusaModel.from_pretrained(), questions, GenerationConfig(max_new_tokens=64))
+>>> report["overall"]["speedup"], report["lossless"]
+"""
+
+import json
+import platform
+import sys
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from .config import GenerationConfig
+from .model import GenerationOutput, MedusaModel
+
+DECODERS = ("medusa", "plain", "transformers")
+WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
+UNCATEGORIZED = "uncategorized"
+
+
+@dataclass(frozen=True)
+class Question:
+    question_id: str
+    category: str
+    turns: tuple[str, ...]
+
+
+@dataclass
+class Totals:
+    """One decoder's sums over some turns: new tokens, forward passes, seconds, tokens per forward pass."""
+
+    new_tokens: int = 0
+    steps: int = 0
+    seconds: float = 0.0
+    accept_lengths: Counter = field(default_factory=Counter)
+
+    def add(self, out: GenerationOutput) -> None:
+        self.new_tokens += len(out.token_ids)
+        self.steps += out.steps
+        self.seconds += out.seconds
+        self.accept_lengths.update(out.accept_lengths)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def seconds_per_step(self) -> float:
+        return self.seconds / self.steps if self.steps else 0.0
+
+
+# --- input ------------------------------------------------------------------------------------------------
+
+
+def parse_question(line: str, path: Path, number: int) -> Question:
+    """One JSONL line -> Question; a clear ValueError naming the file, line and question otherwise."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"questions: {path} line {number} is not JSON: {error}") from None
+    record = record if isinstance(record, dict) else {}  # not an object: reported below as a question without turns
+    name = record.get("question_id", f"on line {number}")
+    turns = record.get("turns")
+    if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t.strip() for t in turns):
+        raise ValueError(f"questions: question {name} in {path} has no turns (expected 'turns': [text, ...])")
+    return Question(str(name), str(record.get("category") or UNCATEGORIZED), tuple(turns))
+
+
+def read_questions(path, categories=None, limit: int | None = None) -> list[Question]:
+    """MT-Bench-style JSONL ({"question_id", "category", "turns": [...]}), filtered by category, then cut."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"questions: {path} does not exist")
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    lines = path.read_text(encoding="utf-8").splitlines()
+    questions = [parse_question(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+    if not questions:
+        raise ValueError(f"questions: {path} holds no questions")
+    if categories:
+        known = sorted({q.category for q in questions})
+        unknown = [c for c in categories if c not in known]
+        if unknown:
+            raise ValueError(f"categories: unknown {', '.join(map(repr, unknown))}; {path} has {', '.join(known)}")
+        questions = [q for q in questions if q.category in categories]
+    return questions[:limit]
+
+
+# --- the three decoders -------------------------------------------------------------------------------------
+
+
+def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+    """`transformers` generate with the same settings; one forward pass per token (the prefill's first)."""
+    sampling = config.temperature > 0
+    settings = transformers.GenerationConfig(
+        max_new_tokens=config.max_new_tokens, do_sample=sampling, temperature=config.temperature if sampling else None,
+        top_p=config.top_p if sampling else None, top_k=config.top_k if sampling else None,
+        eos_token_id=sorted(medusa.eos_ids), pad_token_id=min(medusa.eos_ids, default=0),
+    )
+    if sampling and config.seed is not None:
+        torch.manual_seed(config.seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        sequence = medusa.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], generation_config=settings)
+    seconds = time.perf_counter() - start
+    new = sequence[0, len(ids):].tolist()
+    return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text=medusa.decode(new), seconds=seconds)
+
+
+def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+    if name == "transformers":
+        return hf_generate(medusa, ids, config)
+    return medusa.generate(ids, config=config, medusa=name == "medusa")
+
+
+def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int) -> dict[str, GenerationOutput]:
+    """The three decoders on one prompt, their order rotated by `turn` so none always runs first."""
+    order = DECODERS[turn % len(DECODERS):] + DECODERS[: turn % len(DECODERS)]
+    return {name: run_decoder(name, medusa, ids, config) for name in order}
+
+
+# --- the benchmark ------------------------------------------------------------------------------------------
+
+
+def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True) -> dict:
+    """Runs every turn with each decoder; returns the report (see `report`)."""
+    if config.stop:
+        raise ValueError("stop: bench compares with transformers generate, which runs without stop strings")
+    warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
+    answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
+    turns = []
+    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", file=sys.stderr, disable=not progress)
+    for question in questions:
+        history = []
+        for number, text in enumerate(question.turns):
+            history.append({"role": "user", "content": text})
+            ids = medusa.encode(messages=history)
+            outputs = answer_turn(medusa, ids, config, len(turns))
+            turns.append((question, number, len(ids), outputs))
+            history.append({"role": "assistant", "content": outputs["plain"].text})
+            bar.update()
+    bar.close()
+    result = report(turns, config, medusa.model.device)
+    result["config"].update(model=medusa.model.name_or_path, num_heads=medusa.heads.config.num_heads,
+                            tree=[list(path) for path in medusa.tree.paths])
+    return result
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else 0.0
+
+
+def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
+    """The figures for some turns. speedup = acceleration_rate / overhead exactly: plain makes one token a step."""
+    totals = {name: Totals() for name in DECODERS}
+    for turn in outputs:
+        for name, out in turn.items():
+            totals[name].add(out)
+    medusa, plain, hf = (totals[name] for name in DECODERS)
+    return {
+        "turns": len(outputs),
+        "acceleration_rate": ratio(medusa.new_tokens, medusa.steps),
+        "overhead": ratio(medusa.seconds_per_step, plain.seconds_per_step),
+        "speedup": ratio(medusa.tokens_per_s, plain.tokens_per_s),
+        "speedup_vs_transformers": ratio(medusa.tokens_per_s, hf.tokens_per_s),
+        "tokens_per_s": {name: totals[name].tokens_per_s for name in DECODERS},
+        "new_tokens": medusa.new_tokens,
+        "steps": medusa.steps,
+        "accept_lengths": {str(n): medusa.accept_lengths[n] for n in sorted(medusa.accept_lengths)},
+        "totals": {name: {"new_tokens": t.new_tokens, "steps": t.steps, "seconds": t.seconds} for name, t in totals.items()},
+    }
+
+
+def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
+    """overall and per-category summaries, losslessness (greedy only), per-turn records, settings, device."""
+    greedy = config.rule == "greedy"
+    by_category: dict[str, list] = {}
+    for question, *_, outputs in turns:
+        by_category.setdefault(question.category, []).append(outputs)
+    return {
+        "overall": summary([outputs for *_, outputs in turns]),
+        "categories": {name: summary(outputs) for name, outputs in by_category.items()},
+        "lossless": all(o["medusa"].token_ids == o["plain"].token_ids for *_, o in turns) if greedy else None,
+        "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
+        "turns": [
+            {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
+             **{name: {"new_tokens": len(o.token_ids), "steps": o.steps, "seconds": o.seconds}
+                for name, o in sorted(outputs.items(), key=lambda item: DECODERS.index(item[0]))}}
+            for q, number, prompt_len, outputs in turns
+        ],
+        "config": {**asdict(config), "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},
+        "device": device_name(device),
+    }
+
+
+def device_name(device: torch.device) -> str:
+    """The CUDA device's name, or the CPU's model name and the threads torch uses."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
+
+
+# --- output -------------------------------------------------------------------------------------------------
+
+
+def table(report: dict) -> str:
+    """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
+    header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
+              f"{'tokens/step':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
+    rows = [header]
+    for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
+        speed = s["tokens_per_s"]
+        rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
+                    f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['overhead']:>8.2f} "
+                    f"{s['speedup']:>7.2f}x {s['speedup_vs_transformers']:>5.2f}x")
+    lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
+    rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
+    return "\n".join(rows)
+
+
+def plot(report: dict, path) -> None:
+    """One PNG, two panels: tokens/s by category for the three decoders; tokens per MEDUSA forward pass."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [*sorted(report["categories"]), "all"]
+    stats = [report["categories"].get(name, report["overall"]) for name in names]
+    figure, (bars, histogram) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    width = 1 / (len(DECODERS) + 1)
+    for i, decoder in enumerate(DECODERS):
+        positions = [n + (i - 1) * width for n in range(len(names))]
+        bars.bar(positions, [s["tokens_per_s"][decoder] for s in stats], width, label=decoder)
+    bars.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    bars.set_ylabel("new tokens / s")
+    bars.set_title(f"speed by category (speedup vs plain {report['overall']['speedup']:.2f}x)")
+    bars.margins(y=0.15)  # headroom for the legend
+    bars.legend(ncol=len(DECODERS), loc="upper left")
+    lengths = report["overall"]["accept_lengths"]
+    histogram.bar([int(n) for n in lengths], list(lengths.values()), color="tab:blue")
+    histogram.set_xlabel("tokens per MEDUSA forward pass")
+    histogram.set_ylabel("forward passes")
+    histogram.set_title(f"acceptance (mean {report['overall']['acceleration_rate']:.2f})")
+    histogram.xaxis.get_major_locator().set_params(integer=True)
+    figure.suptitle(f"{report['config'].get('model') or 'model'} on {report['device']}", fontsize=10)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

@@ -1,0 +1,168 @@
+"""`medusa bench` on a tiny model with a word-level tokenizer: report schema, figures that agree with each
+other and with the per-turn records, losslessness, the plot, and clear errors for bad question files."""
+
+import json
+import math
+import re
+
+import pytest
+from conftest import tiny_model, tiny_tokenizer
+from engine_helpers import lively_model, random_heads
+
+from medusa_decoding import GenerationConfig, MedusaModel, Tree
+from medusa_decoding.acceptance import RULES
+from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
+from medusa_decoding.cli import main
+
+TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
+TOKENS = 12
+QUESTIONS = [
+    {"question_id": 1, "category": "writing", "turns": ["w10 w11 w12", "w13 w14"]},
+    {"question_id": 2, "category": "coding", "turns": ["w20 w21", "w22 w23 w24"]},
+    {"question_id": 3, "category": "writing", "turns": ["w30"]},
+]
+KEYS = {"acceleration_rate", "overhead", "speedup", "speedup_vs_transformers", "tokens_per_s", "new_tokens", "steps"}
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def write_questions(path, records) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> MedusaModel:
+    """A lively tiny llama behind a ChatML word tokenizer, with random heads (few guesses accepted)."""
+    tokenizer = tiny_tokenizer()
+    base = lively_model("llama", eos_token_id=tokenizer.eos_token_id)
+    return MedusaModel(base, tokenizer, random_heads(base, num_heads=3), Tree.from_spec(TREE))
+
+
+@pytest.fixture(scope="module")
+def questions(tmp_path_factory):
+    return read_questions(write_questions(tmp_path_factory.mktemp("q") / "q.jsonl", QUESTIONS))
+
+
+@pytest.fixture(scope="module")
+def greedy(tiny, questions) -> dict:
+    return benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS), progress=False)
+
+
+def test_report_schema(greedy):
+    assert KEYS <= set(greedy["overall"])
+    assert set(greedy["categories"]) == {"writing", "coding"}
+    assert all(KEYS <= set(s) for s in greedy["categories"].values())
+    assert set(greedy["overall"]["tokens_per_s"]) == set(DECODERS)
+    assert {"model", "tree", "max_new_tokens", "temperature", "acceptance", "torch", "transformers"} <= set(greedy["config"])
+    assert greedy["config"]["tree"] == [list(p) for p in TREE]
+    assert "thread" in greedy["device"]  # CPU here: model name and thread count
+    json.dumps(greedy)  # plain JSON all the way down
+
+
+def test_figures_agree(greedy):
+    overall = greedy["overall"]
+    assert overall["turns"] == 5 and len(greedy["turns"]) == 5
+    for s in [overall, *greedy["categories"].values()]:
+        totals = s["totals"]
+        assert math.isclose(s["speedup"], s["acceleration_rate"] / s["overhead"], rel_tol=1e-9)
+        assert math.isclose(s["acceleration_rate"], s["new_tokens"] / s["steps"])
+        assert totals["plain"]["steps"] == totals["plain"]["new_tokens"]  # one token per plain forward pass
+        assert sum(int(n) * c for n, c in s["accept_lengths"].items()) == s["new_tokens"]
+        assert sum(s["accept_lengths"].values()) == s["steps"]
+        for name in DECODERS:
+            assert math.isclose(s["tokens_per_s"][name], totals[name]["new_tokens"] / totals[name]["seconds"])
+        assert math.isclose(s["speedup_vs_transformers"], s["tokens_per_s"]["medusa"] / s["tokens_per_s"]["transformers"])
+    for name in DECODERS:  # categories add up to overall, and overall to the per-turn records
+        for key in ("new_tokens", "steps", "seconds"):
+            by_category = sum(s["totals"][name][key] for s in greedy["categories"].values())
+            by_turn = sum(t[name][key] for t in greedy["turns"])
+            assert math.isclose(by_category, overall["totals"][name][key])
+            assert math.isclose(by_turn, overall["totals"][name][key])
+    writing = [t for t in greedy["turns"] if t["category"] == "writing"]
+    assert greedy["categories"]["writing"]["new_tokens"] == sum(t["medusa"]["new_tokens"] for t in writing)
+
+
+def test_greedy_is_lossless_and_multi_turn(greedy):
+    assert greedy["lossless"] is True
+    assert greedy["matches_transformers"] is True
+    first, second = greedy["turns"][:2]
+    assert (first["turn"], second["turn"]) == (1, 2)
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["plain"]["new_tokens"]  # own answer in history
+
+
+def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
+    """A verifier that accepts wrong guesses must show up as lossless: false."""
+    original = RULES["greedy"]
+
+    def accept_a_whole_leaf_path(tokens, logits, tree, config, generator):
+        _, root = original(tokens, logits, tree, config, generator)
+        leaf = tree.leaf_paths[0]
+        return leaf[leaf >= 0], root
+
+    monkeypatch.setitem(RULES, "greedy", accept_a_whole_leaf_path)
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    assert report["lossless"] is False
+
+
+def test_sampling_lossless_is_null(tiny, questions):
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, temperature=0.8, seed=0), progress=False)
+    assert report["lossless"] is None and report["matches_transformers"] is None
+    assert report["overall"]["totals"]["transformers"]["new_tokens"] > 0
+
+
+def test_table_and_plot(greedy, tmp_path):
+    text = table(greedy)
+    assert "writing" in text and "coding" in text and text.splitlines()[-2].startswith("all")
+    path = tmp_path / "bench.png"
+    plot(greedy, path)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_read_questions_filters_and_limits(tmp_path):
+    path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    assert [q.question_id for q in read_questions(path, ["writing"])] == ["1", "3"]
+    assert [q.question_id for q in read_questions(path, limit=2)] == ["1", "2"]
+    assert read_questions(path)[0].turns == ("w10 w11 w12", "w13 w14")
+
+
+@pytest.mark.parametrize(
+    "content, args, error",
+    [
+        (None, [], "does not exist"),
+        ("", [], "holds no questions"),
+        ('{"question_id": 7, "category": "math"}\n', [], "question 7 .* has no turns"),
+        ('{"question_id": 7, "turns": []}\n', [], "question 7 .* has no turns"),
+        ("not json\n", [], "line 1 is not JSON"),
+        (json.dumps(QUESTIONS[0]) + "\n", ["--categories", "poetry"], "unknown 'poetry'"),
+        (json.dumps(QUESTIONS[0]) + "\n", ["--limit", "0"], "limit must be a positive integer"),
+    ],
+)
+def test_cli_errors(tmp_path, capsys, content, args, error):
+    path = tmp_path / "q.jsonl"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--questions", str(path), *args])
+    assert exit_info.value.code == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("medusa bench: error:")
+    assert re.search(error, stderr), stderr
+
+
+def test_cli_end_to_end(tmp_path, capsys):
+    """A saved tiny model directory through `medusa bench`: table on stdout, JSON and PNG written."""
+    model_dir = tmp_path / "model"
+    tokenizer = tiny_tokenizer()
+    tiny_model("llama", eos_token_id=tokenizer.eos_token_id).save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
+    out, png = tmp_path / "r.json", tmp_path / "r.png"
+    main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
+          "--categories", "coding", "--json", str(out), "--plot", str(png)])
+    report = json.loads(out.read_text())
+    assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
+    assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
+    assert report["lossless"] is True
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "coding" in capsys.readouterr().out
