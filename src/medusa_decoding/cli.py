@@ -170,6 +170,24 @@ def cmd_distill(args) -> None:
           f"({stats.tokens_per_s:.1f} tokens/s) -> {args.output}", file=sys.stderr)
 
 
+def cmd_bench(args) -> None:
+    from .bench import benchmark, plot, read_questions, table
+
+    categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
+    questions = read_questions(args.questions, categories, args.limit)  # before the model loads: bad input fails at once
+    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              acceptance=args.acceptance, seed=args.seed)
+    report = benchmark(load(args), questions, config)
+    report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
+                            categories=categories, limit=args.limit)
+    print(table(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=1)
+    if args.plot:
+        plot(report, args.plot)
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags named after TrainConfig's fields (dest), defaults from it."""
     add = parser.add_argument
@@ -267,6 +285,20 @@ def main(argv=None) -> None:
     add_model_arguments(p, heads=False)
     add_train_arguments(p)
     p.set_defaults(run=cmd_train)
+
+    p = sub.add_parser("bench", help="MT-Bench-style benchmark: MEDUSA vs plain decoding vs transformers generate")
+    p.add_argument("--questions", required=True, help="JSONL: {question_id, category, turns: [...]} per line")
+    add_model_arguments(p)
+    p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
+    p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)
+    p.add_argument("--top-p", type=float, default=DEFAULTS.top_p)
+    p.add_argument("--acceptance", choices=ACCEPTANCE_RULES + ("auto",), default=DEFAULTS.acceptance)
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    p.add_argument("--limit", type=int, help="only the first N questions (after --categories)")
+    p.add_argument("--categories", help="comma-separated categories to keep, e.g. writing,coding")
+    p.add_argument("--json", help="write the report as JSON here")
+    p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
+    p.set_defaults(run=cmd_bench)
 
     args = parser.parse_args(argv)
     try:
