@@ -168,3 +168,22 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """`medusa calibrate`: measure the heads' accuracy and the step latency, then pick the fastest tree."""
+
+    top_k: int = 10  # ranks measured per head (S of the accuracy table)
+    max_nodes: int = 64  # the largest tree tried (candidates, root not counted)
+    max_positions: int = 4096  # answer positions measured; enough for a table to 1-2 points
+    max_length: int = 1024  # tokens per conversation (longer ones are cut)
+    batch_size: int = 4
+    latency_prefix: int = 256  # prefix length the step latency is timed at: a typical mid-answer context
+    latency_repeats: int = 7  # timed steps per tree size; the median is kept
+
+    def __post_init__(self):
+        for name in ("top_k", "max_nodes", "max_positions", "max_length", "batch_size", "latency_prefix",
+                     "latency_repeats"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
