@@ -136,6 +136,7 @@ def test_read_questions_filters_and_limits(tmp_path):
         ("not json\n", [], "line 1 is not JSON"),
         (json.dumps(QUESTIONS[0]) + "\n", ["--categories", "poetry"], "unknown 'poetry'"),
         (json.dumps(QUESTIONS[0]) + "\n", ["--limit", "0"], "limit must be a positive integer"),
+        (json.dumps(QUESTIONS[0]) + "\n", ["--threads", "0"], "threads must be a positive integer"),
     ],
 )
 def test_cli_errors(tmp_path, capsys, content, args, error):
@@ -159,10 +160,10 @@ def test_cli_end_to_end(tmp_path, capsys):
     questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
     main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
-          "--categories", "coding", "--json", str(out), "--plot", str(png)])
+          "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1"])
     report = json.loads(out.read_text())
     assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
     assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
-    assert report["lossless"] is True
+    assert report["lossless"] is True and report["device"].endswith(", 1 thread")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "coding" in capsys.readouterr().out

@@ -6,12 +6,13 @@ import sys
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
-from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, DistillConfig, TrainConfig
+from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
 
 DEFAULTS = GenerationConfig()
 SERVER = ServerConfig()
 DISTILL = DistillConfig()
 TRAIN = TrainConfig()
+CALIBRATE = CalibrateConfig()
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True) -> None:
@@ -171,8 +172,14 @@ def cmd_distill(args) -> None:
 
 
 def cmd_bench(args) -> None:
+    import torch
+
     from .bench import benchmark, plot, read_questions, table
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"threads must be a positive integer, got {args.threads!r}")
+        torch.set_num_threads(args.threads)  # a shared CPU: fewer threads than cores, or OpenMP spin-waits
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     questions = read_questions(args.questions, categories, args.limit)  # before the model loads: bad input fails at once
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
@@ -186,6 +193,30 @@ def cmd_bench(args) -> None:
             json.dump(report, file, indent=1)
     if args.plot:
         plot(report, args.plot)
+
+
+def cmd_calibrate(args) -> None:
+    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, save
+    from .training.data import read_conversations
+
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
+    config = CalibrateConfig(max_nodes=args.max_nodes, max_positions=args.max_positions)
+    conversations = read_conversations(args.data)[: args.limit]  # before the model loads: bad data fails at once
+    medusa = load(args)
+    result = calibrate(medusa, conversations, config)
+    print("accuracy a_k^(i): P(head k's rank-i token is correct)")
+    print("        " + "".join(f"{f'r{i}':>7}" for i in range(len(result.accuracy[0]))))
+    for k, row in enumerate(result.accuracy):
+        print(f"head {k:<3}" + "".join(f"{a:>7.3f}" for a in row))
+    print(f"\n{'size':>4} {'tokens/step':>11} {'step ms':>8} {'tokens/s':>9}")
+    for n, (tokens, seconds, speed) in enumerate(zip(result.expected_tokens, result.latency_s, result.tokens_per_s)):
+        print(f"{n:>4} {tokens:>11.3f} {1000 * seconds:>8.2f} {speed:>9.1f}{'  <- chosen' if n == result.size else ''}")
+    output = args.output or args.heads
+    save(result, output, str(medusa.model.device))
+    print(f"calibrate: a tree of {result.size} candidates, predicted {result.tokens_per_s[result.size]:.1f} tokens/s "
+          f"(plain {result.tokens_per_s[0]:.1f}) -> {output}/tree.json, {ACCURACY_NAME}, "
+          f"{', '.join(PLOT_NAMES.values())}", file=sys.stderr)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
@@ -298,7 +329,18 @@ def main(argv=None) -> None:
     p.add_argument("--categories", help="comma-separated categories to keep, e.g. writing,coding")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")
     p.set_defaults(run=cmd_bench)
+
+    p = sub.add_parser("calibrate", help="measure head accuracy and step latency; write the fastest tree beside the heads")
+    p.add_argument("--data", required=True, help="conversations: ShareGPT-style JSON/JSONL, e.g. medusa distill's")
+    p.add_argument("--heads", required=True, help="MEDUSA heads directory")
+    add_model_arguments(p, heads=False)
+    p.add_argument("--max-nodes", type=int, default=CALIBRATE.max_nodes, help="largest tree tried (candidates)")
+    p.add_argument("--max-positions", type=int, default=CALIBRATE.max_positions, help="answer tokens measured")
+    p.add_argument("--limit", type=int, help="only the first N conversations")
+    p.add_argument("--output", help="where tree.json, accuracy.json and the plots go (default: the heads directory)")
+    p.set_defaults(run=cmd_calibrate, tree=None)  # load() reads --tree; calibration makes the tree
 
     args = parser.parse_args(argv)
     try:
