@@ -1,12 +1,20 @@
 """Calibration: tree search and expected acceptance against brute force; measurements on tiny models; the CLI."""
 
 import itertools
+import json
 import math
 
 import pytest
 import torch
+from conftest import tiny_tokenizer
+from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, lively_model, random_heads
 
-from medusa_decoding.calibrate import choose_tree, expected_acceptance, grow_tree
+from medusa_decoding import MedusaModel
+from medusa_decoding.calibrate import choose_tree, expected_acceptance, grow_tree, measure_accuracy, measure_step_latency
+from medusa_decoding.cli import main
+from medusa_decoding.config import CalibrateConfig
+from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels
+from medusa_decoding.tree import Tree, build
 
 # K=2 heads, S=3 ranks; path probabilities worked out by hand (no ties):
 # (0) .6  (0,0) .3  (1) .25  (0,1) .18  (1,0) .125  (2) .1  (0,2) .09  (1,1) .075  (2,0) .05  (1,2) .0375  (2,1) .03  (2,2) .015
@@ -117,3 +125,80 @@ def test_choose_tree_rejects_missing_or_bad_latencies():
         choose_tree(HAND, [1.0, 0.0])
     with pytest.raises(ValueError, match="latencies"):
         choose_tree(HAND, [1.0] * 14)  # 13 sizes, only 12 nodes exist
+
+
+# --- measurements on tiny models ---
+
+ORACLE_CHAT = [
+    {"role": "user", "content": " ".join(f"w{i}" for i in range(3, 12))},
+    {"role": "assistant", "content": " ".join(f"w{(7 * i) % 80}" for i in range(40))},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def oracle(tokenizer, one_thread):
+    """A MedusaModel whose heads know ORACLE_CHAT's tokens, and those tokens' answer labels."""
+    ids, labels = assistant_labels(tokenizer, ORACLE_CHAT)
+    model = lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    heads = OracleHeads(model, torch.tensor(ids))
+    return MedusaModel(model, tokenizer, heads), torch.tensor(labels)
+
+
+def test_measured_accuracy_is_the_oracles_planted_luck(oracle):
+    medusa, labels = oracle
+    table = measure_accuracy(medusa, [ORACLE_CHAT], CalibrateConfig(top_k=4))
+    luck = medusa.heads.luck  # [S, K]: below ORACLE_RANK0 the true token is rank 0, below ORACLE_RANK1 rank 1
+    expected = torch.zeros(4, 4, dtype=torch.float64)
+    for k in range(4):
+        targets = torch.cat([labels[k + 2:] != IGNORE_INDEX, torch.zeros(k + 2, dtype=torch.bool)])
+        chance = luck[targets, k]
+        expected[k, 0] = (chance < ORACLE_RANK0).double().mean()
+        expected[k, 1] = ((chance >= ORACLE_RANK0) & (chance < ORACLE_RANK1)).double().mean()
+    assert torch.allclose(table, expected)
+    assert table[:, 0].mean() > 0.5 and table[:, 2:].sum() == 0
+
+
+def test_accuracy_stops_after_max_positions(oracle):
+    medusa, _ = oracle
+    other = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w9 w10 w11 w12 w13"}]
+    capped = CalibrateConfig(max_positions=1, batch_size=1)
+    alone = measure_accuracy(medusa, [other])
+    assert torch.equal(measure_accuracy(medusa, [other, ORACLE_CHAT], capped), alone)  # stopped after the first
+    assert not torch.equal(measure_accuracy(medusa, [other, ORACLE_CHAT], CalibrateConfig(batch_size=1)), alone)
+
+
+def test_step_latency_is_one_positive_time_per_tree(oracle):
+    medusa, _ = oracle
+    paths, _ = grow_tree(HAND, 6)
+    trees = [build(())] + [build(tuple(paths[:n])) for n in (1, 3, 6)]
+    latencies = measure_step_latency(medusa, trees, CalibrateConfig(latency_prefix=32, latency_repeats=3))
+    assert len(latencies) == 4 and all(t > 0 for t in latencies)
+
+
+def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys):
+    model = lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    random_heads(model, num_heads=2).save_pretrained(tmp_path / "heads")
+    data = tmp_path / "distilled.jsonl"
+    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+        {"from": "human", "value": ORACLE_CHAT[0]["content"]},
+        {"from": "gpt", "value": " ".join(f"w{(i + 5 * j) % 80}" for j in range(30))}]}) + "\n" for i in range(3)))
+    main(["calibrate", "--data", str(data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
+          "--max-nodes", "5", "--output", str(tmp_path / "out")])
+    record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
+    assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
+    tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
+    assert tree.num_nodes == record["size"] + 1
+    for name in ("accuracy.png", "tree.png", "tokens_per_s.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 1000
+    assert "<- chosen" in capsys.readouterr().out
+    (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
+    (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
+    assert MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").tree is tree

@@ -9,6 +9,7 @@ the size that wins is the one with the most expected tokens per second of measur
 """
 
 import heapq
+import itertools
 import json
 import math
 import statistics
@@ -105,3 +106,196 @@ def choose_tree(accuracy: torch.Tensor, latencies: list[float]) -> Calibration:
     speed = [t / s for t, s in zip(tokens, latencies)]
     size = max(range(1, len(speed)), key=speed.__getitem__)
     return Calibration(accuracy.tolist(), paths, tokens, list(latencies), speed, size)
+
+
+def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> torch.Tensor:
+    """a_k^(i) [K, S] over the answer tokens of `conversations` (chat messages, e.g. `medusa distill`'s).
+
+    Teacher-forced, as in training: at every position t whose token t+k+2 is an answer token, does
+    head k rank that token i-th? Stops after config.max_positions positions with a head-0 target.
+    """
+    from tqdm.auto import tqdm
+
+    from .training.data import IGNORE_INDEX, build_examples, collate
+    from .training.train import HEAD_OFFSET, future_labels
+
+    model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
+    num_heads, ranks = heads.config.num_heads, min(config.top_k, heads.config.vocab_size)
+    examples = build_examples(tokenizer, conversations, config.max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    hits = torch.zeros(num_heads, ranks, dtype=torch.long)
+    counts = torch.zeros(num_heads, dtype=torch.long)
+    lm_head = model.get_output_embeddings()
+    progress = tqdm(total=config.max_positions, desc="calibrate: head accuracy", unit="pos")
+    with torch.inference_mode():
+        for start in range(0, len(examples), config.batch_size):
+            batch = {k: v.to(model.device) for k, v in collate(examples[start: start + config.batch_size], pad_id).items()}
+            hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
+            targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
+            keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
+            targets = targets[:, keep]  # [K, N]
+            top = heads(hidden[keep], lm_head).topk(ranks, dim=-1).indices  # [K, N, S]
+            hits += (top == targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
+            counts += (targets != IGNORE_INDEX).sum(-1).cpu()
+            progress.update(min(int(counts[0]), config.max_positions) - progress.n)
+            if counts[0] >= config.max_positions:
+                break
+    progress.close()
+    if counts[0] == 0:
+        raise ValueError("calibration data: no answer token has a head target (answers too short)")
+    return hits.double() / counts.clamp(min=1)[:, None]
+
+
+def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = CalibrateConfig()) -> list[float]:
+    """Median seconds of one full decoding step (propose, verify, greedy accept, commit) per tree.
+
+    Timed on a prefix of config.latency_prefix tokens (less if the context is shorter), on the
+    model's device; the cache is cut back to the prefix after every step, so each starts alike.
+    """
+    from . import cache as kv
+    from .acceptance import greedy
+    from .config import GenerationConfig
+
+    model, heads = medusa.model, medusa.heads
+    lm_head, device = model.get_output_embeddings(), model.device
+    deepest = max(tree.depth for tree in trees) + 1
+    prefix_len = max(1, min(config.latency_prefix, context_limit(model) - max(t.num_nodes for t in trees) - deepest))
+    prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
+    greedy_config = GenerationConfig()
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def step(cache, hidden, root, tree: Tree) -> None:
+        candidates = propose(heads, lm_head, hidden, tree)
+        tokens = torch.cat([candidates.new_tensor([root]), candidates])
+        logits, _ = verify(model, cache, tokens, tree, prefix_len)
+        path, _ = greedy(tokens, logits, tree, greedy_config)
+        kv.commit(cache, prefix_len, path)
+
+    latencies = []
+    with torch.inference_mode():
+        cache, logits, hidden = prefill(model, prompt.to(device))
+        root = int(logits.argmax())
+        for tree in trees:
+            times = []
+            for repeat in range(config.latency_repeats + 1):  # the first is a warm-up
+                synchronize()
+                start = time.perf_counter()
+                step(cache, hidden, root, tree)
+                synchronize()
+                times.append(time.perf_counter() - start)
+                cache.crop(prefix_len - cache.get_seq_length())  # negative: drop that many (transformers 5)
+            latencies.append(statistics.median(times[1:]))
+    return latencies
+
+
+def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> Calibration:
+    """Accuracy table, then the step latency of the greedy tree of every size 0..max_nodes, then the choice."""
+    accuracy = measure_accuracy(medusa, conversations, config)
+    paths, _ = grow_tree(accuracy, config.max_nodes)
+    trees = [PLAIN] + [build(tuple(paths[:n])) for n in range(1, len(paths) + 1)]
+    return choose_tree(accuracy, measure_step_latency(medusa, trees, config))
+
+
+def save(calibration: Calibration, directory: str | Path, device: str) -> None:
+    """tree.json (read by MedusaModel.from_pretrained beside the heads), accuracy.json and three PNGs."""
+    from .model import TREE_NAME
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / TREE_NAME).write_text(json.dumps([list(p) for p in calibration.tree_paths]) + "\n")
+    record = {**asdict(calibration), "paths": [list(p) for p in calibration.paths], "device": device}
+    (directory / ACCURACY_NAME).write_text(json.dumps(record, indent=1) + "\n")
+    plot(calibration, directory, device)
+
+
+def plot(calibration: Calibration, directory: Path, device: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    for name, draw in (("accuracy", plot_accuracy), ("tree", plot_tree), ("speed", plot_speed)):
+        figure = draw(plt, calibration, device)
+        figure.tight_layout()
+        figure.savefig(directory / PLOT_NAMES[name], dpi=100)
+        plt.close(figure)
+
+
+def plot_accuracy(plt, calibration: Calibration, device: str):
+    """Heatmap of a_k^(i), each cell labelled."""
+    table = torch.tensor(calibration.accuracy)
+    figure, axes = plt.subplots(figsize=(1.0 + 0.7 * table.shape[1], 1.2 + 0.6 * table.shape[0]))
+    image = axes.imshow(table.numpy(), cmap="viridis", vmin=0, vmax=max(float(table.max()), 1e-9), aspect="auto")
+    for (k, i), value in zip(itertools.product(*map(range, table.shape)), table.flatten().tolist()):
+        axes.text(i, k, f"{value:.2f}", ha="center", va="center", fontsize=8,
+                  color="black" if value > 0.6 * float(table.max()) else "white")
+    axes.set_xticks(range(table.shape[1]))
+    axes.set_yticks(range(table.shape[0]), [f"head {k} (t+{k + 2})" for k in range(table.shape[0])])
+    axes.set_xlabel("rank i in the head's top-k")
+    axes.set_title("P(head k's rank-i token is correct)")
+    figure.colorbar(image, ax=axes)
+    return figure
+
+
+def plot_tree(plt, calibration: Calibration, device: str):
+    """The chosen tree: columns by depth, leaves one row each, nodes labelled head/rank and path probability."""
+    table = torch.tensor(calibration.accuracy)
+    paths = sorted(calibration.tree_paths, key=lambda p: (len(p), p))
+    children = {(): []} | {p: [] for p in paths}
+    for p in paths:
+        children[p[:-1]].append(p)
+    rows: dict[tuple, float] = {}
+
+    def place(node: tuple, next_row: float) -> float:  # depth-first; a parent sits at its children's mean row
+        if not children[node]:
+            rows[node] = next_row
+            return next_row + 1
+        for child in sorted(children[node]):
+            next_row = place(child, next_row)
+        rows[node] = sum(rows[c] for c in children[node]) / len(children[node])
+        return next_row
+
+    leaves = place((), 0)
+    depth = max((len(p) for p in paths), default=0)
+    figure, axes = plt.subplots(figsize=(2.0 + 2.2 * depth, 1.0 + 0.32 * leaves))
+    for p in paths:
+        axes.plot([len(p) - 1, len(p)], [rows[p[:-1]], rows[p]], color="0.6", lw=0.8, zorder=1)
+    axes.scatter([0], [rows[()]], s=60, color="black", zorder=2)
+    axes.annotate("root", (0, rows[()]), xytext=(-6, 0), textcoords="offset points", ha="right", va="center", fontsize=8)
+    probabilities = [path_probability(p, table) for p in paths]
+    axes.scatter([len(p) for p in paths], [rows[p] for p in paths], c=probabilities, cmap="viridis", vmin=0, vmax=1,
+                 s=40, zorder=2)
+    for p, probability in zip(paths, probabilities):
+        axes.annotate(f"h{len(p) - 1} r{p[-1]}  {probability:.2f}", (len(p), rows[p]), xytext=(6, 0),
+                      textcoords="offset points", va="center", fontsize=7)
+    axes.set_xticks(range(depth + 1), ["root"] + [f"head {k}" for k in range(depth)])
+    axes.set_xlim(-0.6, depth + 0.9)
+    axes.invert_yaxis()
+    axes.set_yticks([])
+    expected = calibration.expected_tokens[calibration.size]
+    axes.set_title(f"chosen tree: {calibration.size} candidates, {expected:.2f} expected tokens/step\n"
+                   f"(labels: head, rank, probability the whole path is accepted)", fontsize=9)
+    return figure
+
+
+def plot_speed(plt, calibration: Calibration, device: str):
+    """Predicted tokens/s against tree size, the measured step latency on a second axis."""
+    sizes = range(len(calibration.tokens_per_s))
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    axes.plot(sizes, calibration.tokens_per_s, marker=".", color="tab:blue", label="predicted tokens/s")
+    axes.axhline(calibration.tokens_per_s[0], color="tab:blue", ls=":", lw=1, label="plain decoding (size 0)")
+    axes.axvline(calibration.size, color="tab:green", ls="--", lw=1, label=f"chosen: {calibration.size} candidates")
+    axes.set_xlabel("tree size (candidate nodes)")
+    axes.set_ylabel("predicted tokens / s", color="tab:blue")
+    latency = axes.twinx()
+    latency.plot(sizes, [1000 * s for s in calibration.latency_s], color="tab:red", lw=1, label="measured step latency")
+    latency.set_ylabel("measured step latency (ms)", color="tab:red")
+    latency.set_ylim(bottom=0)
+    lines = axes.get_legend_handles_labels()
+    more = latency.get_legend_handles_labels()
+    axes.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
+    axes.set_title(f"tree size vs speed on {device}: (1 + expected acceptance) / step latency", fontsize=10)
+    return figure
