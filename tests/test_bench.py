@@ -164,6 +164,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
     assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
+    assert report["config"]["heads_trained"] is False and "medusa" not in report["config"]
     assert report["lossless"] is True and report["device"].endswith(", 1 thread")
     assert png.read_bytes()[:4] == b"\x89PNG"
     assert "coding" in capsys.readouterr().out

@@ -199,7 +199,7 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
                 for name, o in sorted(outputs.items(), key=lambda item: DECODERS.index(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
-        "config": {**asdict(config), "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},
+        "config": {**{k: v for k, v in asdict(config).items() if k != "medusa"}, "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},
         "device": device_name(device),
     }
 

@@ -184,9 +184,10 @@ def cmd_bench(args) -> None:
     questions = read_questions(args.questions, categories, args.limit)  # before the model loads: bad input fails at once
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
-    report = benchmark(load(args), questions, config)
+    medusa = load(args)
+    report = benchmark(medusa, questions, config)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
-                            categories=categories, limit=args.limit)
+                            categories=categories, limit=args.limit, heads_trained=heads_trained(medusa.heads))
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
