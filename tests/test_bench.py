@@ -105,6 +105,11 @@ def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
     assert report["lossless"] is False
 
 
+def test_typical_at_temperature_zero_is_checked(tiny, questions):
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, acceptance="typical"), progress=False)
+    assert report["lossless"] is True and report["config"]["rule"] == "typical"
+
+
 def test_sampling_lossless_is_null(tiny, questions):
     report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, temperature=0.8, seed=0), progress=False)
     assert report["lossless"] is None and report["matches_transformers"] is None

@@ -183,8 +183,8 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
 
 
 def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
-    """overall and per-category summaries, losslessness (greedy only), per-turn records, settings, device."""
-    greedy = config.rule == "greedy"
+    """overall and per-category summaries, losslessness (temperature 0 only), per-turn records, settings, device."""
+    greedy = config.temperature == 0  # every rule is greedy at temperature 0
     by_category: dict[str, list] = {}
     for question, *_, outputs in turns:
         by_category.setdefault(question.category, []).append(outputs)
