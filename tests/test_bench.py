@@ -124,6 +124,13 @@ def test_table_and_plot(greedy, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
 
 
+def test_benchmark_refuses_nothing_and_stop_strings(tiny, questions):
+    with pytest.raises(ValueError, match="questions: none to run"):
+        benchmark(tiny, [], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    with pytest.raises(ValueError, match="stop"):
+        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, stop=("w1",)), progress=False)
+
+
 def test_read_questions_filters_and_limits(tmp_path):
     path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     assert [q.question_id for q in read_questions(path, ["writing"])] == ["1", "3"]
@@ -172,4 +179,5 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert report["config"]["heads_trained"] is False and "medusa" not in report["config"]
     assert report["lossless"] is True and report["device"].endswith(", 1 thread")
     assert png.read_bytes()[:4] == b"\x89PNG"
-    assert "coding" in capsys.readouterr().out
+    captured = capsys.readouterr()
+    assert "coding" in captured.out and "heads: UNTRAINED" in captured.err

@@ -113,8 +113,8 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     start = time.perf_counter()
     with torch.inference_mode():
         sequence = medusa.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], generation_config=settings)
+    new = sequence[0, len(ids):].tolist()  # inside the clock: waits for the device, as MEDUSA's per-step lists do
     seconds = time.perf_counter() - start
-    new = sequence[0, len(ids):].tolist()
     return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text=medusa.decode(new), seconds=seconds)
 
 
@@ -137,6 +137,8 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     """Runs every turn with each decoder; returns the report (see `report`)."""
     if config.stop:
         raise ValueError("stop: bench compares with transformers generate, which runs without stop strings")
+    if not questions:
+        raise ValueError("questions: none to run")
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
     answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
     turns = []

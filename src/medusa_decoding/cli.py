@@ -185,6 +185,8 @@ def cmd_bench(args) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
     medusa = load(args)
+    if not heads_trained(medusa.heads):
+        print(UNTRAINED, file=sys.stderr)
     report = benchmark(medusa, questions, config)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, heads_trained=heads_trained(medusa.heads))
