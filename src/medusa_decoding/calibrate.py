@@ -151,6 +151,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = Ca
 
     Timed on a prefix of config.latency_prefix tokens (less if the context is shorter), on the
     model's device; the cache is cut back to the prefix after every step, so each starts alike.
+    The sizes take turns, so a burst of load from elsewhere slows all of them, not one.
     """
     from . import cache as kv
     from .acceptance import greedy
@@ -174,21 +175,19 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = Ca
         path, _ = greedy(tokens, logits, tree, greedy_config)
         kv.commit(cache, prefix_len, path)
 
-    latencies = []
+    times = [[] for _ in trees]
     with torch.inference_mode():
         cache, logits, hidden = prefill(model, prompt.to(device))
         root = int(logits.argmax())
-        for tree in trees:
-            times = []
-            for repeat in range(config.latency_repeats + 1):  # the first is a warm-up
+        for repeat in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
+            for tree, timed in zip(trees, times):
                 synchronize()
                 start = time.perf_counter()
                 step(cache, hidden, root, tree)
                 synchronize()
-                times.append(time.perf_counter() - start)
+                timed.append(time.perf_counter() - start)
                 cache.crop(prefix_len - cache.get_seq_length())  # negative: drop that many (transformers 5)
-            latencies.append(statistics.median(times[1:]))
-    return latencies
+    return [statistics.median(timed[1:]) for timed in times]  # the first round is a warm-up
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> Calibration:
@@ -296,6 +295,7 @@ def plot_speed(plt, calibration: Calibration, device: str):
     latency.set_ylim(bottom=0)
     lines = axes.get_legend_handles_labels()
     more = latency.get_legend_handles_labels()
-    axes.legend(lines[0] + more[0], lines[1] + more[1], loc="lower right", fontsize=8)
+    axes.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4,
+                fontsize=8, frameon=False)
     axes.set_title(f"tree size vs speed on {device}: (1 + expected acceptance) / step latency", fontsize=10)
     return figure

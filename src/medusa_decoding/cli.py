@@ -220,6 +220,9 @@ def cmd_calibrate(args) -> None:
     print(f"calibrate: a tree of {result.size} candidates, predicted {result.tokens_per_s[result.size]:.1f} tokens/s "
           f"(plain {result.tokens_per_s[0]:.1f}) -> {output}/tree.json, {ACCURACY_NAME}, "
           f"{', '.join(PLOT_NAMES.values())}", file=sys.stderr)
+    if result.tokens_per_s[0] > result.tokens_per_s[result.size]:
+        print("calibrate: plain decoding is predicted faster on this device: the heads' guesses do not pay for "
+              "the extra work (train them longer, or decode plainly: GenerationConfig(medusa=False))", file=sys.stderr)
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
