@@ -23,12 +23,12 @@ from .config import CalibrateConfig
 from .decoding import PLAIN, context_limit, prefill, propose, verify
 from .tree import Tree, build
 
-Path_ = tuple[int, ...]  # a node: the rank taken in each head's top-k, root excluded
+Node = tuple[int, ...]  # a tree node's path: the rank taken in each head's top-k, root excluded
 ACCURACY_NAME = "accuracy.json"
 PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png"}
 
 
-def path_probability(path: Path_, accuracy: torch.Tensor) -> float:
+def path_probability(path: Node, accuracy: torch.Tensor) -> float:
     """prod_j a_{j-1}^(r_j): the probability that every token on the path is correct."""
     return math.prod(float(accuracy[depth, rank]) for depth, rank in enumerate(path))
 
@@ -51,7 +51,7 @@ def check_accuracy(accuracy: torch.Tensor) -> None:
         raise ValueError(f"accuracy: probabilities must lie in [0, 1], got {accuracy.min():.3g}..{accuracy.max():.3g}")
 
 
-def grow_tree(accuracy: torch.Tensor, num_nodes: int) -> tuple[list[Path_], list[float]]:
+def grow_tree(accuracy: torch.Tensor, num_nodes: int) -> tuple[list[Node], list[float]]:
     """Greedy tree search: (paths in the order added, expected acceptance after each addition).
 
     The first n paths are the best tree of n nodes; fewer than num_nodes come back only when every
@@ -84,14 +84,14 @@ class Calibration:
     """What `medusa calibrate` found; index n of the per-size lists is the tree of n candidates (0: plain)."""
 
     accuracy: list[list[float]]  # [K, S]
-    paths: list[Path_]  # the greedy order: paths[:n] is the best tree of n nodes
+    paths: list[Node]  # the greedy order: paths[:n] is the best tree of n nodes
     expected_tokens: list[float]  # 1 + expected acceptance, per size
     latency_s: list[float]  # measured seconds per decoding step, per size
     tokens_per_s: list[float]  # predicted: expected_tokens / latency_s
     size: int  # the chosen size, >= 1
 
     @property
-    def tree_paths(self) -> list[Path_]:
+    def tree_paths(self) -> list[Node]:
         return self.paths[: self.size]
 
 
@@ -188,6 +188,13 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = Ca
                 timed.append(time.perf_counter() - start)
                 cache.crop(prefix_len - cache.get_seq_length())  # negative: drop that many (transformers 5)
     return [statistics.median(timed[1:]) for timed in times]  # the first round is a warm-up
+
+
+def device_name(device: torch.device) -> str:
+    """What the latencies were measured on: they hold for that device (and CPU thread count) only."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> Calibration:

@@ -199,7 +199,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, save
+    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, device_name, save
     from .training.data import read_conversations
 
     if args.limit is not None and args.limit < 1:
@@ -216,7 +216,7 @@ def cmd_calibrate(args) -> None:
     for n, (tokens, seconds, speed) in enumerate(zip(result.expected_tokens, result.latency_s, result.tokens_per_s)):
         print(f"{n:>4} {tokens:>11.3f} {1000 * seconds:>8.2f} {speed:>9.1f}{'  <- chosen' if n == result.size else ''}")
     output = args.output or args.heads
-    save(result, output, str(medusa.model.device))
+    save(result, output, device_name(medusa.model.device))
     print(f"calibrate: a tree of {result.size} candidates, predicted {result.tokens_per_s[result.size]:.1f} tokens/s "
           f"(plain {result.tokens_per_s[0]:.1f}) -> {output}/tree.json, {ACCURACY_NAME}, "
           f"{', '.join(PLOT_NAMES.values())}", file=sys.stderr)
