@@ -203,3 +203,10 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
     (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
     assert MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").tree is tree
+
+
+@pytest.mark.parametrize("flag, value", [("--max-nodes", "0"), ("--max-positions", "-1"), ("--limit", "0")])
+def test_cli_rejects_bad_sizes_before_loading_a_model(tmp_path, capsys, flag, value):
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--data", str(tmp_path / "none.jsonl"), "--heads", str(tmp_path), flag, value])
+    assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
