@@ -7,13 +7,13 @@ import math
 import pytest
 import torch
 from conftest import tiny_tokenizer
-from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, lively_model, random_heads
+from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_reference, lively_model, random_heads
 
 from medusa_decoding import MedusaModel
 from medusa_decoding.calibrate import choose_tree, expected_acceptance, grow_tree, measure_accuracy, measure_step_latency
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
-from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels
+from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
 
 # K=2 heads, S=3 ranks; path probabilities worked out by hand (no ties):
@@ -129,6 +129,7 @@ def test_choose_tree_rejects_missing_or_bad_latencies():
 
 # --- measurements on tiny models ---
 
+SPECIAL_TOKENS = 7  # the tiny tokenizer's ids below 7: padding, unknown, chat markers, roles
 ORACLE_CHAT = [
     {"role": "user", "content": " ".join(f"w{i}" for i in range(3, 12))},
     {"role": "assistant", "content": " ".join(f"w{(7 * i) % 80}" for i in range(40))},
@@ -210,3 +211,24 @@ def test_cli_rejects_bad_sizes_before_loading_a_model(tmp_path, capsys, flag, va
     with pytest.raises(SystemExit):
         main(["calibrate", "--data", str(tmp_path / "none.jsonl"), "--heads", str(tmp_path), flag, value])
     assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
+
+
+def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, one_thread):
+    """The independence model's 1 + expected acceptance, from the measured table, is what the engine
+    achieves: oracle heads over the model's own greedy answer, decoded with the greedy trees."""
+    model = lively_model("llama", vocab_size=len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[: SPECIAL_TOKENS] = 0  # the answer must survive detokenize -> retokenize
+    user = [ORACLE_CHAT[0]]
+    prompt = torch.tensor(chat_ids(tokenizer, user, generation_prompt=True))
+    answer = greedy_reference(model, prompt, 240)
+    assert min(answer) >= SPECIAL_TOKENS
+    medusa = MedusaModel(model, tokenizer, OracleHeads(model, torch.tensor(prompt.tolist() + answer)))
+    table = measure_accuracy(medusa, [user + [{"role": "assistant", "content": tokenizer.decode(answer)}]])
+    for size in (1, 10, 30):
+        paths, expected = grow_tree(table, size)
+        medusa.tree = Tree.from_spec(paths)
+        out = medusa.generate(messages=user, max_new_tokens=len(answer) - 10)
+        assert out.token_ids == answer[: len(out.token_ids)]
+        measured = (len(out.token_ids) - 1) / (out.steps - 1)  # per verification step; the prefill yields 1
+        assert measured == pytest.approx(1 + expected[-1], rel=0.1), size
