@@ -9,15 +9,22 @@ import torch
 from conftest import tiny_tokenizer
 from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_reference, lively_model, random_heads
 
-from medusa_decoding import MedusaModel
-from medusa_decoding.calibrate import choose_tree, expected_acceptance, grow_tree, measure_accuracy, measure_step_latency
+from medusa_decoding import MedusaModel, calibrate
+from medusa_decoding.calibrate import (
+    choose_tree,
+    expected_acceptance,
+    grow_tree,
+    measure_accuracy,
+    measure_step_latency,
+)
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
 
 # K=2 heads, S=3 ranks; path probabilities worked out by hand (no ties):
-# (0) .6  (0,0) .3  (1) .25  (0,1) .18  (1,0) .125  (2) .1  (0,2) .09  (1,1) .075  (2,0) .05  (1,2) .0375  (2,1) .03  (2,2) .015
+# (0) .6  (0,0) .3  (1) .25  (0,1) .18  (1,0) .125  (2) .1  (0,2) .09  (1,1) .075
+# (2,0) .05  (1,2) .0375  (2,1) .03  (2,2) .015
 HAND = torch.tensor([[0.6, 0.25, 0.1], [0.5, 0.3, 0.15]], dtype=torch.float64)
 HAND_ORDER = [(0,), (0, 0), (1,), (0, 1), (1, 0), (2,), (0, 2), (1, 1), (2, 0), (1, 2), (2, 1), (2, 2)]
 HAND_EXPECTED = [0.6, 0.9, 1.15, 1.33, 1.455, 1.555, 1.645, 1.72, 1.77, 1.8075, 1.8375, 1.8525]
@@ -162,6 +169,13 @@ def test_measured_accuracy_is_the_oracles_planted_luck(oracle):
         expected[k, 1] = ((chance >= ORACLE_RANK0) & (chance < ORACLE_RANK1)).double().mean()
     assert torch.allclose(table, expected)
     assert table[:, 0].mean() > 0.5 and table[:, 2:].sum() == 0
+
+
+def test_accuracy_is_the_same_when_the_heads_see_the_positions_in_small_chunks(oracle, monkeypatch):
+    medusa, _ = oracle
+    whole = measure_accuracy(medusa, [ORACLE_CHAT])
+    monkeypatch.setattr(calibrate, "HEADS_CHUNK", 3)
+    assert torch.equal(measure_accuracy(medusa, [ORACLE_CHAT]), whole)
 
 
 def test_accuracy_stops_after_max_positions(oracle):

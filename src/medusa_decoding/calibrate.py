@@ -19,13 +19,18 @@ from pathlib import Path
 
 import torch
 
-from .config import CalibrateConfig
+from . import cache as kv
+from .acceptance import greedy
+from .config import CalibrateConfig, GenerationConfig
 from .decoding import PLAIN, context_limit, prefill, propose, verify
+from .model import TREE_NAME
 from .tree import Tree, build
 
 Node = tuple[int, ...]  # a tree node's path: the rank taken in each head's top-k, root excluded
 ACCURACY_NAME = "accuracy.json"
 PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png"}
+DEFAULTS = CalibrateConfig()
+HEADS_CHUNK = 256  # positions per heads call: K x 256 x V logits stay ~200 MB for a 50k vocabulary
 
 
 def path_probability(path: Node, accuracy: torch.Tensor) -> float:
@@ -108,7 +113,7 @@ def choose_tree(accuracy: torch.Tensor, latencies: list[float]) -> Calibration:
     return Calibration(accuracy.tolist(), paths, tokens, list(latencies), speed, size)
 
 
-def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> torch.Tensor:
+def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:
     """a_k^(i) [K, S] over the answer tokens of `conversations` (chat messages, e.g. `medusa distill`'s).
 
     Teacher-forced, as in training: at every position t whose token t+k+2 is an answer token, does
@@ -129,14 +134,16 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     progress = tqdm(total=config.max_positions, desc="calibrate: head accuracy", unit="pos")
     with torch.inference_mode():
         for start in range(0, len(examples), config.batch_size):
-            batch = {k: v.to(model.device) for k, v in collate(examples[start: start + config.batch_size], pad_id).items()}
-            hidden = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).last_hidden_state
-            targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
-            keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
-            targets = targets[:, keep]  # [K, N]
-            top = heads(hidden[keep], lm_head).topk(ranks, dim=-1).indices  # [K, N, S]
-            hits += (top == targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
-            counts += (targets != IGNORE_INDEX).sum(-1).cpu()
+            batch = collate(examples[start: start + config.batch_size], pad_id)
+            batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
+            out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(num_heads)])
+            keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
+            chunks = zip(out.last_hidden_state[keep].split(HEADS_CHUNK), targets[:, keep].split(HEADS_CHUNK, dim=1))
+            for chunk_hidden, chunk_targets in chunks:
+                top = heads(chunk_hidden, lm_head).topk(ranks, dim=-1).indices  # [K, n, S]
+                hits += (top == chunk_targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
+                counts += (chunk_targets != IGNORE_INDEX).sum(-1).cpu()
             progress.update(min(int(counts[0]), config.max_positions) - progress.n)
             if counts[0] >= config.max_positions:
                 break
@@ -146,21 +153,16 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     return hits.double() / counts.clamp(min=1)[:, None]
 
 
-def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = CalibrateConfig()) -> list[float]:
+def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[float]:
     """Median seconds of one full decoding step (propose, verify, greedy accept, commit) per tree.
 
     Timed on a prefix of config.latency_prefix tokens (less if the context is shorter), on the
     model's device; the cache is cut back to the prefix after every step, so each starts alike.
     The sizes take turns, so a burst of load from elsewhere slows all of them, not one.
     """
-    from . import cache as kv
-    from .acceptance import greedy
-    from .config import GenerationConfig
-
     model, heads = medusa.model, medusa.heads
     lm_head, device = model.get_output_embeddings(), model.device
-    deepest = max(tree.depth for tree in trees) + 1
-    prefix_len = max(1, min(config.latency_prefix, context_limit(model) - max(t.num_nodes for t in trees) - deepest))
+    prefix_len = max(1, min(config.latency_prefix, context_limit(model) - max(t.num_nodes for t in trees)))
     prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
     greedy_config = GenerationConfig()
 
@@ -179,7 +181,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = Ca
     with torch.inference_mode():
         cache, logits, hidden = prefill(model, prompt.to(device))
         root = int(logits.argmax())
-        for repeat in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
+        for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
             for tree, timed in zip(trees, times):
                 synchronize()
                 start = time.perf_counter()
@@ -197,7 +199,7 @@ def device_name(device: torch.device) -> str:
     return f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
 
 
-def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = CalibrateConfig()) -> Calibration:
+def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
     """Accuracy table, then the step latency of the greedy tree of every size 0..max_nodes, then the choice."""
     accuracy = measure_accuracy(medusa, conversations, config)
     paths, _ = grow_tree(accuracy, config.max_nodes)
@@ -207,8 +209,6 @@ def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig =
 
 def save(calibration: Calibration, directory: str | Path, device: str) -> None:
     """tree.json (read by MedusaModel.from_pretrained beside the heads), accuracy.json and three PNGs."""
-    from .model import TREE_NAME
-
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / TREE_NAME).write_text(json.dumps([list(p) for p in calibration.tree_paths]) + "\n")
@@ -270,7 +270,8 @@ def plot_tree(plt, calibration: Calibration, device: str):
     for p in paths:
         axes.plot([len(p) - 1, len(p)], [rows[p[:-1]], rows[p]], color="0.6", lw=0.8, zorder=1)
     axes.scatter([0], [rows[()]], s=60, color="black", zorder=2)
-    axes.annotate("root", (0, rows[()]), xytext=(-6, 0), textcoords="offset points", ha="right", va="center", fontsize=8)
+    axes.annotate("root", (0, rows[()]), xytext=(-6, 0), textcoords="offset points", ha="right", va="center",
+                  fontsize=8)
     probabilities = [path_probability(p, table) for p in paths]
     axes.scatter([len(p) for p in paths], [rows[p] for p in paths], c=probabilities, cmap="viridis", vmin=0, vmax=1,
                  s=40, zorder=2)
