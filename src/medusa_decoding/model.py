@@ -78,7 +78,11 @@ class MedusaModel:
         """Base model (path or hub id; None: the embedded default) plus heads (directory; None: untrained).
 
         tree: a Tree, a path list, Cartesian sizes, or None for the heads' own `tree.json` or the default.
+        device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
         """
+        cuda = torch.cuda.is_available()
+        device = device or ("cuda" if cuda else "cpu")
+        dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
         if heads is None and model is not None and (Path(model) / MERGED_NAME / "config.json").is_file():
             model, heads = Path(model) / MERGED_NAME, model  # a MEDUSA-2 training output: heads + merged backbone
         base, tokenizer = load_base(model, dtype, device)
