@@ -177,7 +177,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
         path, _ = greedy(tokens, logits, tree, greedy_config)
         kv.commit(cache, prefix_len, path)
 
-    times = [[] for _ in trees]
+    times, no_nodes = [[] for _ in trees], torch.empty(0, dtype=torch.long, device=device)
     with torch.inference_mode():
         cache, logits, hidden = prefill(model, prompt.to(device))
         root = int(logits.argmax())
@@ -188,7 +188,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
                 step(cache, hidden, root, tree)
                 synchronize()
                 timed.append(time.perf_counter() - start)
-                cache.crop(prefix_len - cache.get_seq_length())  # negative: drop that many (transformers 5)
+                kv.commit(cache, prefix_len, no_nodes)  # back to the prefix alone (not crop: it changed in 5.23)
     return [statistics.median(timed[1:]) for timed in times]  # the first round is a warm-up
 
 
