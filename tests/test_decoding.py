@@ -16,7 +16,7 @@ from engine_helpers import OracleHeads, greedy_reference, lively_model, random_h
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding
-from medusa_decoding.cache import commit
+from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
 from medusa_decoding.tree import Tree
@@ -186,13 +186,28 @@ def test_commit_matches_the_accepted_tokens_run_in_order(family, path):
     tree = Tree.from_spec(DEFAULT_TREE)
     tokens = torch.randint(0, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        cache, _, _ = prefill(model, PROMPT)
+        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
         verify(model, cache, tokens, tree, len(PROMPT))
         commit(cache, len(PROMPT), torch.tensor(path))
         reference = DynamicCache()
         model.base_model(input_ids=torch.cat([PROMPT, tokens[path]])[None], past_key_values=reference, use_cache=True)
     assert cache.get_seq_length() == reference.get_seq_length() == len(PROMPT) + len(path)
     for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
+
+
+def test_preallocated_cache_appends_in_place(family):
+    model = lively_model(family)
+    cache = allocate(model, len(PROMPT))
+    reference = DynamicCache()
+    with torch.no_grad():
+        for chunk in PROMPT.split(5):  # three appends, the last one filling the cache exactly
+            model.base_model(input_ids=chunk[None], past_key_values=cache, use_cache=True)
+        model.base_model(input_ids=PROMPT[None], past_key_values=reference, use_cache=True)
+    for mine, theirs in zip(cache.layers, reference.layers, strict=True):
+        assert mine.keys.data_ptr() == mine.key_buffer.data_ptr()  # a view of the buffer, not a copy
+        assert mine.values.data_ptr() == mine.value_buffer.data_ptr()
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(mine.values, theirs.values, rtol=1e-5, atol=1e-5)
 

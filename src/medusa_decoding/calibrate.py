@@ -179,7 +179,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
 
     times, no_nodes = [[] for _ in trees], torch.empty(0, dtype=torch.long, device=device)
     with torch.inference_mode():
-        cache, logits, hidden = prefill(model, prompt.to(device))
+        cache, logits, hidden = prefill(model, prompt.to(device), prefix_len + max(t.num_nodes for t in trees))
         root = int(logits.argmax())
         for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
             for tree, timed in zip(trees, times):

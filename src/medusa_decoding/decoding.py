@@ -8,7 +8,7 @@ one forward pass with no patched model code. Batch size 1, as in the MEDUSA pape
 from collections.abc import Iterator
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from .acceptance import RULES, sample, target_probs
@@ -48,9 +48,9 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
     return int(logits.argmax()) if config.temperature == 0 else sample(target_probs(logits, config), generator)
 
 
-def prefill(model, prompt: torch.Tensor) -> tuple[DynamicCache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (cache, logits [V] and hidden [H] at the last position)."""
-    cache = DynamicCache()
+def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """prompt: [T] -> (a cache of `capacity` positions, logits [V] and hidden [H] at the last position)."""
+    cache = kv.allocate(model, capacity)
     logits, hidden = forward(model, prompt, cache)
     return cache, logits[-1], hidden[-1]
 
@@ -100,7 +100,8 @@ def decode(
     rule = RULES[config.rule]
     lm_head = model.get_output_embeddings()
     with torch.inference_mode():
-        cache, logits, hidden = prefill(model, prompt)
+        # the cache holds at most the prompt, every new token but the last, and one tree
+        cache, logits, hidden = prefill(model, prompt, prompt.shape[-1] + config.max_new_tokens + tree.num_nodes)
         root = first_token(logits, config, generator)
         prefix_len, produced = prompt.shape[-1], 1
         yield [root]
