@@ -73,7 +73,7 @@ def family(request):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded default (SmolLM2-135M-Instruct) with untrained heads, loaded once per session."""
+    """The embedded default (SmolLM2-135M-Instruct) with its default heads, tree and kernels, loaded once per session."""
     from medusa_decoding import MedusaModel
 
     return MedusaModel.from_pretrained()

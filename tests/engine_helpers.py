@@ -64,7 +64,7 @@ class OracleHeads(torch.nn.Module):
 
     check_compatible = MedusaHeads.check_compatible
 
-    def forward(self, hidden: torch.Tensor, lm_head=None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None) -> torch.Tensor:
         # hidden: [..., H] -> logits: [K, ..., V]
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.reference.dtype)
         positions = torch.cdist(flat, self.reference).argmin(-1)  # [B]
@@ -82,4 +82,5 @@ class OracleHeads(torch.nn.Module):
                     logits[b, k, token] = 50
                 else:
                     logits[b, k, token] = -100
-        return logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
+        logits = logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
+        return logits[:num_heads]

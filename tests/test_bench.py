@@ -6,12 +6,14 @@ import math
 import re
 
 import pytest
+import torch
 from conftest import tiny_model, tiny_tokenizer
 from engine_helpers import lively_model, random_heads
 
 from medusa_decoding import GenerationConfig, MedusaModel, Tree
 from medusa_decoding.acceptance import RULES
 from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
+from medusa_decoding.calibrate import expected_acceptance
 from medusa_decoding.cli import main
 
 TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
@@ -122,6 +124,43 @@ def test_table_and_plot(greedy, tmp_path):
     path = tmp_path / "bench.png"
     plot(greedy, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+ACCURACY = torch.tensor([[0.6, 0.2], [0.4, 0.1], [0.3, 0.1]], dtype=torch.float64)  # a table as calibrate measures
+
+
+@pytest.fixture(scope="module")
+def predicted(tiny, questions) -> dict:
+    config = GenerationConfig(max_new_tokens=TOKENS)
+    return benchmark(tiny, questions[:2], config, progress=False, accuracy=ACCURACY, sweep=(1, 3, 6))
+
+
+def test_prediction_rows_pair_the_calibration_model_with_measured_runs(predicted):
+    rows = predicted["prediction"]
+    assert [(p["decoder"], p["tree_size"]) for p in rows] == [("plain", 0), ("medusa", 5), ("sweep", 1), ("sweep", 3), ("sweep", 6)]
+    plain, medusa, *_ = rows
+    assert plain["predicted_tokens_per_step"] == 1 == plain["measured_tokens_per_step"]
+    assert medusa["predicted_tokens_per_step"] == pytest.approx(1 + expected_acceptance(TREE, ACCURACY))
+    assert medusa["measured_tokens_per_s"] == pytest.approx(predicted["overall"]["tokens_per_s"]["medusa"])
+    for p in rows:
+        assert p["step_latency_s"] > 0 and p["measured_tokens_per_s"] > 0
+        assert p["predicted_tokens_per_s"] == pytest.approx(p["predicted_tokens_per_step"] / p["step_latency_s"])
+        assert p["error"] == pytest.approx(p["measured_tokens_per_s"] / p["predicted_tokens_per_s"] - 1)
+    assert predicted["lossless"] is True
+
+
+def test_prediction_table_and_three_panel_plot(predicted, tmp_path):
+    assert "predicted measured" in table(predicted)
+    plot(predicted, tmp_path / "bench.png")
+    assert tmp_path.joinpath("bench.png").stat().st_size > 10_000
+
+
+def test_sweep_needs_an_accuracy_table_and_sizes_the_heads_allow(tiny, questions):
+    with pytest.raises(ValueError, match="sweep: needs"):
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, sweep=(2,))
+    with pytest.raises(ValueError, match="at most 14 nodes"):  # 2 + 4 + 8
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, accuracy=ACCURACY,
+                  sweep=(15,))
 
 
 def test_benchmark_refuses_nothing_and_stop_strings(tiny, questions):

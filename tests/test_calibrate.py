@@ -16,6 +16,7 @@ from medusa_decoding.calibrate import (
     grow_tree,
     measure_accuracy,
     measure_step_latency,
+    tried_sizes,
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
@@ -115,23 +116,35 @@ def test_bad_input_is_a_value_error_naming_the_field(table, nodes, field):
 
 
 def test_choose_tree_picks_the_argmax_of_predicted_tokens_per_second():
-    latencies = [1.0, 1.1, 1.2, 1.3, 1.4, 2.0, 2.5, 3.0]  # sizes 0..7
-    choice = choose_tree(HAND, latencies)
+    latencies = [1.0, 1.1, 1.2, 1.3, 1.4, 2.0, 2.5, 3.0]
+    choice = choose_tree(HAND, list(range(8)), latencies)
     predicted = [(1 + e) / s for e, s in zip([0.0] + HAND_EXPECTED[:7], latencies)]
     assert choice.tokens_per_s == pytest.approx(predicted)
     assert choice.size == max(range(1, 8), key=predicted.__getitem__) == 4
     assert choice.tree_paths == HAND_ORDER[:4]
-    flat = choose_tree(HAND, [1.0] * 8)  # equal step times: the largest tree wins
+    flat = choose_tree(HAND, list(range(8)), [1.0] * 8)  # equal step times: the largest tree wins
     assert flat.size == 7
 
 
-def test_choose_tree_rejects_missing_or_bad_latencies():
+def test_choose_tree_over_sparse_sizes_predicts_each_measured_size():
+    sizes, latencies = [0, 1, 3, 7], [1.0, 1.1, 1.25, 3.0]
+    choice = choose_tree(HAND, sizes, latencies)
+    assert choice.expected_tokens == pytest.approx([1.0] + [1 + HAND_EXPECTED[n - 1] for n in sizes[1:]])
+    assert choice.size == 3 and choice.tree_paths == HAND_ORDER[:3]
+
+
+def test_tried_sizes_are_dense_for_small_trees_and_end_at_the_largest():
+    assert tried_sizes(5) == [0, 1, 2, 3, 4, 5]
+    assert tried_sizes(50) == [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50]
+
+
+@pytest.mark.parametrize("sizes, latencies", [
+    ([0], [1.0]), ([0, 1], [1.0, 0.0]), (list(range(14)), [1.0] * 14),  # 13 candidates, only 12 nodes exist
+    ([1, 2], [1.0, 1.0]), ([0, 2, 1], [1.0] * 3), ([0, 1], [1.0]),
+])
+def test_choose_tree_rejects_missing_or_bad_latencies(sizes, latencies):
     with pytest.raises(ValueError, match="latencies"):
-        choose_tree(HAND, [1.0])
-    with pytest.raises(ValueError, match="latencies"):
-        choose_tree(HAND, [1.0, 0.0])
-    with pytest.raises(ValueError, match="latencies"):
-        choose_tree(HAND, [1.0] * 14)  # 13 sizes, only 12 nodes exist
+        choose_tree(HAND, sizes, latencies)
 
 
 # --- measurements on tiny models ---
@@ -208,7 +221,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
           "--max-nodes", "5", "--output", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
-    assert record["device"] == "cpu, 1 threads"
+    assert record["sizes"] == [0, 1, 2, 3, 4, 5]
+    assert record["setup"].endswith(", 1 thread, float32, packed kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
     tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
     assert tree.num_nodes == record["size"] + 1
@@ -218,6 +232,44 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
     (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
     assert MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").tree is tree
+
+
+@pytest.fixture
+def base_and_heads(tokenizer, tmp_path, monkeypatch, one_thread):
+    """A saved tiny model and two-head directory whose accuracy.json was calibrated elsewhere."""
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path / "cache"))
+    model = lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    random_heads(model, num_heads=2).save_pretrained(tmp_path / "heads")
+    record = {"accuracy": HAND.tolist(), "setup": "another machine"}
+    (tmp_path / "heads" / "accuracy.json").write_text(json.dumps(record))
+    (tmp_path / "heads" / "tree.json").write_text("[[0], [1], [2]]")  # that machine's choice
+    return tmp_path / "base", tmp_path / "heads"
+
+
+def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, monkeypatch, capsys):
+    base, heads = base_and_heads
+    tree = MedusaModel.from_pretrained(base, heads).tree
+    assert "fitting the tree" in capsys.readouterr().err
+    sizes = tried_sizes(len(HAND_ORDER))
+    assert tree.num_nodes - 1 in sizes and set(tree.paths) == set(HAND_ORDER[: tree.num_nodes - 1])
+    (cached,) = (base.parent / "cache" / "trees").iterdir()
+    assert json.loads(cached.read_text())["sizes"] == sizes
+
+    def measure_again(*args, **kwargs):
+        raise AssertionError("the cached fit must be used")
+
+    monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
+    assert MedusaModel.from_pretrained(base, heads).tree is tree
+    assert MedusaModel.from_pretrained(base, heads, tree=None).tree == Tree.from_spec([[0], [1], [2]])
+
+
+def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):
+    base, heads = base_and_heads
+    (heads / "accuracy.json").write_text('{"accuracy": [[0.5, "x"]]}')
+    with pytest.raises(ValueError, match="not a valid accuracy table"):
+        MedusaModel.from_pretrained(base, heads)
 
 
 @pytest.mark.parametrize("flag, value", [("--max-nodes", "0"), ("--max-positions", "-1"), ("--limit", "0")])

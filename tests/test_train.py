@@ -2,6 +2,7 @@
 
 import json
 import math
+import shutil
 from itertools import groupby
 
 import pytest
@@ -182,6 +183,17 @@ def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, t
     assert torch.equal(medusa.model.get_input_embeddings().weight, original.get_input_embeddings().weight)
     trained = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(v, medusa.heads.state_dict()[k]) for k, v in trained.items())
+    original.save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    with torch.no_grad():  # the same through the adapter: base + heads directory, or the output holding no merged model
+        assert torch.allclose(MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").model(ids).logits, merged, atol=1e-5)
+        shutil.rmtree(tmp_path / "out" / "model")
+        (tmp_path / "out" / "adapter" / "adapter_config.json").write_text(json.dumps({
+            **json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text()),
+            "base_model_name_or_path": str(tmp_path / "base")}))
+        medusa = MedusaModel.from_pretrained(tmp_path / "out")
+        assert torch.allclose(medusa.model(ids).logits, merged, atol=1e-5)
+    assert torch.equal(medusa.model.get_input_embeddings().weight, original.get_input_embeddings().weight)
 
 
 def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path):

@@ -10,7 +10,6 @@ turn 1, so all three see the same prompt (greedy MEDUSA's answer is the same any
 """
 
 import json
-import platform
 import sys
 import time
 from collections import Counter
@@ -21,8 +20,12 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from .calibrate import device_name, expected_acceptance, grow_tree, measure_step_latency
 from .config import GenerationConfig
+from .decoding import PLAIN
+from .kernels import stock_kernels
 from .model import GenerationOutput, MedusaModel
+from .tree import Tree, build
 
 DECODERS = ("medusa", "plain", "transformers")
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
@@ -101,7 +104,7 @@ def read_questions(path, categories=None, limit: int | None = None) -> list[Ques
 
 
 def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
-    """`transformers` generate with the same settings; one forward pass per token (the prefill's first)."""
+    """`transformers` generate with the same settings on stock kernels; one forward pass per token (the prefill's first)."""
     sampling = config.temperature > 0
     settings = transformers.GenerationConfig(
         max_new_tokens=config.max_new_tokens, do_sample=sampling, temperature=config.temperature if sampling else None,
@@ -111,7 +114,7 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     if sampling and config.seed is not None:
         torch.manual_seed(config.seed)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), stock_kernels(medusa.model):  # what `transformers` alone gives
         sequence = medusa.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], generation_config=settings)
     new = sequence[0, len(ids):].tolist()  # inside the clock: waits for the device, as MEDUSA's per-step lists do
     seconds = time.perf_counter() - start
@@ -133,16 +136,27 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 # --- the benchmark ------------------------------------------------------------------------------------------
 
 
-def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True) -> dict:
-    """Runs every turn with each decoder; returns the report (see `report`)."""
+def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True,
+              accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = ()) -> dict:
+    """Runs every turn with each decoder; returns the report (see `report`).
+
+    accuracy: the heads' calibrated table [K, S]: then the speed the calibration model predicts (measured step
+    latency x expected tokens per step) is set beside the measured one, for the tree used and for MEDUSA with
+    the greedy tree of each size in `sweep`, which is run on every turn too.
+    """
     if config.stop:
         raise ValueError("stop: bench compares with transformers generate, which runs without stop strings")
     if not questions:
         raise ValueError("questions: none to run")
+    if sweep and accuracy is None:
+        raise ValueError("sweep: needs the heads' accuracy table (run medusa calibrate on them)")
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
     answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
-    turns = []
-    bar = tqdm(total=sum(len(q.turns) for q in questions), desc="bench", unit="turn", file=sys.stderr, disable=not progress)
+    swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
+             for tree in greedy_trees(accuracy, sweep)] if sweep else []
+    turns, sweep_outputs = [], [[] for _ in swept]
+    total = sum(len(q.turns) for q in questions)
+    bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)
     for question in questions:
         history = []
         for number, text in enumerate(question.turns):
@@ -150,13 +164,47 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
             ids = medusa.encode(messages=history)
             outputs = answer_turn(medusa, ids, config, len(turns))
             turns.append((question, number, len(ids), outputs))
+            for view, outs in zip(swept, sweep_outputs):
+                outs.append(view.generate(ids, config=config))
             history.append({"role": "assistant", "content": outputs["plain"].text})
             bar.update()
     bar.close()
     result = report(turns, config, medusa.model.device)
-    result["config"].update(model=medusa.model.name_or_path, num_heads=medusa.heads.config.num_heads,
+    result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels, num_heads=medusa.heads.config.num_heads,
                             tree=[list(path) for path in medusa.tree.paths])
+    if accuracy is not None:
+        decoders = [("plain", PLAIN, [t[-1]["plain"] for t in turns]), ("medusa", medusa.tree, [t[-1]["medusa"] for t in turns])]
+        decoders += [("sweep", view.tree, outs) for view, outs in zip(swept, sweep_outputs)]
+        result["prediction"] = predictions(medusa, accuracy, decoders)
     return result
+
+
+def greedy_trees(accuracy: torch.Tensor, sizes) -> list[Tree]:
+    """The calibrated tree of each size: the first n nodes of the greedy tree search."""
+    paths, _ = grow_tree(accuracy, max(sizes))
+    if len(paths) < max(sizes):
+        raise ValueError(f"sweep: the heads allow at most {len(paths)} nodes, asked for {max(sizes)}")
+    return [build(tuple(paths[:n])) for n in sizes]
+
+
+def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list) -> list[dict]:
+    """Predicted (calibration model: expected tokens per step / step latency measured now) vs measured speed.
+
+    decoders: (name, tree, outputs on every turn). Measured tokens/s counts the whole generation, prefill included.
+    """
+    latencies = measure_step_latency(medusa, [tree for _, tree, _ in decoders])
+    rows = []
+    for (name, tree, outputs), latency in zip(decoders, latencies):
+        totals = Totals()
+        for out in outputs:
+            totals.add(out)
+        per_step = 1 + expected_acceptance(tree.paths, accuracy)
+        predicted = per_step / latency
+        rows.append({"decoder": name, "tree_size": tree.num_nodes - 1, "step_latency_s": latency,
+                     "predicted_tokens_per_step": per_step, "measured_tokens_per_step": ratio(totals.new_tokens, totals.steps),
+                     "predicted_tokens_per_s": predicted, "measured_tokens_per_s": totals.tokens_per_s,
+                     "error": ratio(totals.tokens_per_s, predicted) - 1})
+    return rows
 
 
 def ratio(a: float, b: float) -> float:
@@ -206,19 +254,6 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
     }
 
 
-def device_name(device: torch.device) -> str:
-    """The CUDA device's name, or the CPU's model name and the threads torch uses."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    cpu = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
-    threads = torch.get_num_threads()
-    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
-
-
 # --- output -------------------------------------------------------------------------------------------------
 
 
@@ -234,11 +269,19 @@ def table(report: dict) -> str:
                     f"{s['speedup']:>7.2f}x {s['speedup_vs_transformers']:>5.2f}x")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
+    if "prediction" in report:
+        rows.append(f"\n{'decoder':<8} {'tree':>5} {'step ms':>8} {'tokens/step':>18} {'tokens/s':>18} {'error':>7}")
+        rows.append(f"{'':<8} {'':>5} {'':>8} {'predicted measured':>18} {'predicted measured':>18}")
+        for p in report["prediction"]:
+            rows.append(f"{p['decoder']:<8} {p['tree_size']:>5} {1000 * p['step_latency_s']:>8.1f} "
+                        f"{p['predicted_tokens_per_step']:>9.2f} {p['measured_tokens_per_step']:>8.2f} "
+                        f"{p['predicted_tokens_per_s']:>9.1f} {p['measured_tokens_per_s']:>8.1f} {p['error']:>+7.1%}")
     return "\n".join(rows)
 
 
 def plot(report: dict, path) -> None:
-    """One PNG, two panels: tokens/s by category for the three decoders; tokens per MEDUSA forward pass."""
+    """One PNG: tokens/s by category for the three decoders; tokens per MEDUSA forward pass; with predictions,
+    speed against tree size, measured and predicted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -246,7 +289,9 @@ def plot(report: dict, path) -> None:
 
     names = [*sorted(report["categories"]), "all"]
     stats = [report["categories"].get(name, report["overall"]) for name in names]
-    figure, (bars, histogram) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 1]})
+    predicted = "prediction" in report
+    figure, (bars, histogram, *speed) = plt.subplots(1, 3 if predicted else 2, figsize=(20 if predicted else 14, 5),
+                                                     gridspec_kw={"width_ratios": [3, 1, 1.5][: 3 if predicted else 2]})
     width = 1 / (len(DECODERS) + 1)
     for i, decoder in enumerate(DECODERS):
         positions = [n + (i - 1) * width for n in range(len(names))]
@@ -262,7 +307,25 @@ def plot(report: dict, path) -> None:
     histogram.set_ylabel("forward passes")
     histogram.set_title(f"acceptance (mean {report['overall']['acceleration_rate']:.2f})")
     histogram.xaxis.get_major_locator().set_params(integer=True)
+    if predicted:
+        plot_speed(speed[0], report["prediction"])
     figure.suptitle(f"{report['config'].get('model') or 'model'} on {report['device']}", fontsize=10)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+def plot_speed(axes, rows: list[dict]) -> None:
+    """Tokens/s against tree size: the calibration model's prediction as a line, the measured speed as dots."""
+    rows = sorted(rows, key=lambda p: p["tree_size"])
+    sizes = [p["tree_size"] for p in rows]
+    axes.plot(sizes, [p["predicted_tokens_per_s"] for p in rows], color="tab:blue", marker=".", label="predicted")
+    axes.scatter(sizes, [p["measured_tokens_per_s"] for p in rows], color="tab:orange", zorder=3, label="measured")
+    chosen = next(p for p in rows if p["decoder"] == "medusa")
+    axes.axvline(chosen["tree_size"], color="tab:green", ls="--", lw=1, label=f"tree used: {chosen['tree_size']}")
+    axes.set_xscale("symlog", linthresh=4)
+    axes.set_xlabel("tree size (candidates; 0 = plain)")
+    axes.set_ylabel("new tokens / s")
+    axes.set_title("speed vs tree size")
+    axes.set_ylim(bottom=0)
+    axes.legend(fontsize=8)

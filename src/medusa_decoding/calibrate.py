@@ -8,11 +8,14 @@ probability one at a time gives the best tree of every size (a child never beats
 the size that wins is the one with the most expected tokens per second of measured step time.
 """
 
+import hashlib
 import heapq
 import itertools
 import json
 import math
+import platform
 import statistics
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -22,7 +25,8 @@ import torch
 from . import cache as kv
 from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import PLAIN, context_limit, prefill, propose, verify
+from .decoding import context_limit, prefill, propose, verify
+from .default_model import cache_root
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -31,6 +35,7 @@ ACCURACY_NAME = "accuracy.json"
 PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png"}
 DEFAULTS = CalibrateConfig()
 HEADS_CHUNK = 256  # positions per heads call: K x 256 x V logits stay ~200 MB for a 50k vocabulary
+TRIED_SIZES = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
 
 
 def path_probability(path: Node, accuracy: torch.Tensor) -> float:
@@ -84,12 +89,18 @@ def grow_tree(accuracy: torch.Tensor, num_nodes: int) -> tuple[list[Node], list[
     return paths, expected
 
 
+def tried_sizes(max_nodes: int) -> list[int]:
+    """The tree sizes whose step latency is measured: every size up to 6, then ever sparser (latency is smooth)."""
+    return sorted({n for n in TRIED_SIZES if n <= max_nodes} | {max_nodes})
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """What `medusa calibrate` found; index n of the per-size lists is the tree of n candidates (0: plain)."""
+    """What calibration found; the per-size lists follow `sizes`, whose 0 is plain decoding."""
 
     accuracy: list[list[float]]  # [K, S]
     paths: list[Node]  # the greedy order: paths[:n] is the best tree of n nodes
+    sizes: list[int]  # tree sizes measured (candidates, root not counted), 0 first
     expected_tokens: list[float]  # 1 + expected acceptance, per size
     latency_s: list[float]  # measured seconds per decoding step, per size
     tokens_per_s: list[float]  # predicted: expected_tokens / latency_s
@@ -100,17 +111,19 @@ class Calibration:
         return self.paths[: self.size]
 
 
-def choose_tree(accuracy: torch.Tensor, latencies: list[float]) -> Calibration:
-    """The tree size with the most predicted tokens/s. latencies[n]: step seconds with n candidates (0: plain)."""
-    if len(latencies) < 2 or min(latencies) <= 0:
-        raise ValueError(f"latencies: need positive step times for sizes 0..N with N >= 1, got {latencies!r}")
-    paths, expected = grow_tree(accuracy, len(latencies) - 1)
-    if len(paths) < len(latencies) - 1:
-        raise ValueError(f"latencies: {len(latencies) - 1} sizes measured, but the heads allow only {len(paths)} nodes")
-    tokens = [1.0] + [1.0 + e for e in expected]
+def choose_tree(accuracy: torch.Tensor, sizes: list[int], latencies: list[float]) -> Calibration:
+    """The tree size with the most predicted tokens/s. latencies[i]: step seconds with sizes[i] candidates."""
+    if len(latencies) != len(sizes) or len(sizes) < 2 or sizes[0] != 0 or sorted(set(sizes)) != sizes:
+        raise ValueError(f"latencies: need step times for sizes 0 < n1 < n2 < ..., got sizes {sizes!r}")
+    if min(latencies) <= 0:
+        raise ValueError(f"latencies: step times must be positive, got {latencies!r}")
+    paths, expected = grow_tree(accuracy, sizes[-1])
+    if len(paths) < sizes[-1]:
+        raise ValueError(f"latencies: size {sizes[-1]} measured, but the heads allow only {len(paths)} nodes")
+    tokens = [1.0 + (expected[n - 1] if n else 0.0) for n in sizes]
     speed = [t / s for t, s in zip(tokens, latencies)]
-    size = max(range(1, len(speed)), key=speed.__getitem__)
-    return Calibration(accuracy.tolist(), paths, tokens, list(latencies), speed, size)
+    best = max(range(1, len(sizes)), key=speed.__getitem__)
+    return Calibration(accuracy.tolist(), paths, list(sizes), tokens, list(latencies), speed, sizes[best])
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:
@@ -193,28 +206,84 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
 
 
 def device_name(device: torch.device) -> str:
-    """What the latencies were measured on: they hold for that device (and CPU thread count) only."""
+    """The CUDA device's name, or the CPU's model name and the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"{device.type}, {torch.get_num_threads()} threads" if device.type == "cpu" else str(device)
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    threads = torch.get_num_threads()
+    return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
+
+
+def setup(medusa) -> str:
+    """What a step latency holds for: the device, the model's dtype and its kernels."""
+    return f"{device_name(medusa.model.device)}, {str(medusa.model.dtype).removeprefix('torch.')}, {medusa.kernels} kernels"
+
+
+def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
+    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted."""
+    paths, _ = grow_tree(accuracy, config.max_nodes)
+    sizes = tried_sizes(len(paths))
+    trees = [build(tuple(paths[:n])) for n in sizes]
+    return choose_tree(accuracy, sizes, measure_step_latency(medusa, trees, config))
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """Accuracy table, then the step latency of the greedy tree of every size 0..max_nodes, then the choice."""
-    accuracy = measure_accuracy(medusa, conversations, config)
-    paths, _ = grow_tree(accuracy, config.max_nodes)
-    trees = [PLAIN] + [build(tuple(paths[:n])) for n in range(1, len(paths) + 1)]
-    return choose_tree(accuracy, measure_step_latency(medusa, trees, config))
+    """Accuracy table on the conversations, then the tree fitted to this device."""
+    return fit_tree(medusa, measure_accuracy(medusa, conversations, config), config)
 
 
-def save(calibration: Calibration, directory: str | Path, device: str) -> None:
+def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     """tree.json (read by MedusaModel.from_pretrained beside the heads), accuracy.json and three PNGs."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / TREE_NAME).write_text(json.dumps([list(p) for p in calibration.tree_paths]) + "\n")
-    record = {**asdict(calibration), "paths": [list(p) for p in calibration.paths], "device": device}
+    record = {**asdict(calibration), "paths": [list(p) for p in calibration.paths], "setup": setup}
     (directory / ACCURACY_NAME).write_text(json.dumps(record, indent=1) + "\n")
-    plot(calibration, directory, device)
+    plot(calibration, directory, setup)
+
+
+def read_accuracy(heads_dir: str | Path) -> torch.Tensor | None:
+    """The accuracy table `medusa calibrate` left beside the heads, if any. [K, S]"""
+    path = Path(heads_dir) / ACCURACY_NAME
+    if not path.is_file():
+        return None
+    try:
+        return torch.tensor(json.loads(path.read_text())["accuracy"], dtype=torch.float64)
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
+
+
+def auto_tree(medusa, heads_dir: str | Path, config: CalibrateConfig = DEFAULTS) -> Tree | None:
+    """`--tree auto`: the tree fitted to these heads, this model and this device; None without an accuracy table.
+
+    The heads' own tree.json where it was calibrated on this very setup; else a tree fitted now (a few seconds
+    of latency measurement) and cached under cache_root()/trees, keyed by model, heads and setup.
+    """
+    heads_dir = Path(heads_dir)
+    accuracy = read_accuracy(heads_dir)
+    if accuracy is None:
+        return None
+    here = setup(medusa)
+    if json.loads((heads_dir / ACCURACY_NAME).read_text()).get("setup") == here and (heads_dir / TREE_NAME).is_file():
+        return Tree.from_spec(json.loads((heads_dir / TREE_NAME).read_text()))
+    what = [medusa.model.name_or_path, asdict(medusa.heads.config), accuracy.tolist(), here]  # all the fit depends on
+    key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
+    cached = cache_root() / "trees" / f"{key}.json"
+    if cached.is_file():
+        return Tree.from_spec(json.loads(cached.read_text())["tree"])
+    print(f"tree auto: fitting the tree to {here} (once; cached in {cached.parent})", file=sys.stderr)
+    calibration = fit_tree(medusa, accuracy, config)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    record = {"tree": [list(p) for p in calibration.tree_paths], "setup": here, "model": medusa.model.name_or_path,
+              "heads": str(heads_dir), **{k: getattr(calibration, k) for k in ("sizes", "latency_s", "tokens_per_s")}}
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(cached)  # whole or not at all
+    return Tree.from_spec(record["tree"])
 
 
 def plot(calibration: Calibration, directory: Path, device: str) -> None:
@@ -282,7 +351,7 @@ def plot_tree(plt, calibration: Calibration, device: str):
     axes.set_xlim(-0.6, depth + 0.9)
     axes.invert_yaxis()
     axes.set_yticks([])
-    expected = calibration.expected_tokens[calibration.size]
+    expected = calibration.expected_tokens[calibration.sizes.index(calibration.size)]
     axes.set_title(f"chosen tree: {calibration.size} candidates, {expected:.2f} expected tokens/step\n"
                    f"(labels: head, rank, probability the whole path is accepted)", fontsize=9)
     return figure
@@ -290,7 +359,7 @@ def plot_tree(plt, calibration: Calibration, device: str):
 
 def plot_speed(plt, calibration: Calibration, device: str):
     """Predicted tokens/s against tree size, the measured step latency on a second axis."""
-    sizes = range(len(calibration.tokens_per_s))
+    sizes = calibration.sizes
     figure, axes = plt.subplots(figsize=(8, 4.5))
     axes.plot(sizes, calibration.tokens_per_s, marker=".", color="tab:blue", label="predicted tokens/s")
     axes.axhline(calibration.tokens_per_s[0], color="tab:blue", ls=":", lw=1, label="plain decoding (size 0)")

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
 from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
+from .kernels import KERNELS
 
 DEFAULTS = GenerationConfig()
 SERVER = ServerConfig()
@@ -15,11 +16,15 @@ TRAIN = TrainConfig()
 CALIBRATE = CalibrateConfig()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, kernels: bool = True) -> None:
     parser.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     if heads:
         parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
-        parser.add_argument("--tree", help="tree: JSON path list, Cartesian sizes, or a JSON file")
+        parser.add_argument("--tree", default="auto", help="tree: JSON path list, Cartesian sizes, a JSON file, or auto "
+                            "(default: fitted to this device from the heads' calibration, else their tree.json)")
+    if kernels:
+        parser.add_argument("--kernels", choices=KERNELS, default="auto",
+                            help="linear-layer kernels: auto (packed oneDNN on a CPU in float32), stock, packed, int8 (lossy)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +41,8 @@ def load(args):
     from .model import MedusaModel
     from .tree import parse_spec
 
-    tree = parse_spec(args.tree) if args.tree else None
-    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree)
+    tree = parse_spec(args.tree) if args.tree not in (None, "auto") else args.tree
+    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree, kernels=args.kernels)
 
 
 def generation_config(args, **overrides) -> GenerationConfig:
@@ -175,6 +180,8 @@ def cmd_bench(args) -> None:
     import torch
 
     from .bench import benchmark, plot, read_questions, table
+    from .calibrate import read_accuracy
+    from .default_model import shipped_heads
 
     if args.threads is not None:
         if args.threads < 1:
@@ -184,10 +191,15 @@ def cmd_bench(args) -> None:
     questions = read_questions(args.questions, categories, args.limit)  # before the model loads: bad input fails at once
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
+    sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
+    if any(n < 1 for n in sweep):
+        raise ValueError(f"sweep: tree sizes must be positive integers, got {args.sweep!r}")
     medusa = load(args)
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
-    report = benchmark(medusa, questions, config)
+    heads_dir = args.heads or (shipped_heads() if args.model is None else None)
+    accuracy = read_accuracy(heads_dir) if heads_dir else None
+    report = benchmark(medusa, questions, config, accuracy=accuracy, sweep=sweep)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, heads_trained=heads_trained(medusa.heads))
     print(table(report))
@@ -199,7 +211,7 @@ def cmd_bench(args) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, device_name, save
+    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, save, setup
     from .training.data import read_conversations
 
     if args.limit is not None and args.limit < 1:
@@ -213,14 +225,16 @@ def cmd_calibrate(args) -> None:
     for k, row in enumerate(result.accuracy):
         print(f"head {k:<3}" + "".join(f"{a:>7.3f}" for a in row))
     print(f"\n{'size':>4} {'tokens/step':>11} {'step ms':>8} {'tokens/s':>9}")
-    for n, (tokens, seconds, speed) in enumerate(zip(result.expected_tokens, result.latency_s, result.tokens_per_s)):
+    rows = zip(result.sizes, result.expected_tokens, result.latency_s, result.tokens_per_s)
+    for n, tokens, seconds, speed in rows:
         print(f"{n:>4} {tokens:>11.3f} {1000 * seconds:>8.2f} {speed:>9.1f}{'  <- chosen' if n == result.size else ''}")
     output = args.output or args.heads
-    save(result, output, device_name(medusa.model.device))
-    print(f"calibrate: a tree of {result.size} candidates, predicted {result.tokens_per_s[result.size]:.1f} tokens/s "
-          f"(plain {result.tokens_per_s[0]:.1f}) -> {output}/tree.json, {ACCURACY_NAME}, "
+    save(result, output, setup(medusa))
+    chosen = result.tokens_per_s[result.sizes.index(result.size)]
+    print(f"calibrate: a tree of {result.size} candidates, predicted {chosen:.1f} tokens/s "
+          f"(plain {result.tokens_per_s[0]:.1f}) on {setup(medusa)} -> {output}/tree.json, {ACCURACY_NAME}, "
           f"{', '.join(PLOT_NAMES.values())}", file=sys.stderr)
-    if result.tokens_per_s[0] > result.tokens_per_s[result.size]:
+    if result.tokens_per_s[0] > chosen:
         print("calibrate: plain decoding is predicted faster on this device: the heads' guesses do not pay for "
               "the extra work (train them longer, or decode plainly: GenerationConfig(medusa=False))", file=sys.stderr)
 
@@ -291,8 +305,8 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
     p.add_argument("out", help="output directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    add_model_arguments(p)
-    p.set_defaults(run=cmd_export)
+    add_model_arguments(p, kernels=False)
+    p.set_defaults(run=cmd_export, kernels="stock")  # no decoding: the weights as they are
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal: /reset, /stats, /exit")
     add_model_arguments(p)
@@ -308,7 +322,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")
     p.add_argument("--input", required=True, help="prompts: seed {id, prompt}, ShareGPT or MT-Bench JSON/JSONL")
     p.add_argument("--output", required=True, help="JSONL to append to; ids already there are skipped (resume)")
-    add_model_arguments(p, heads=False)
+    add_model_arguments(p, heads=False, kernels=False)
     p.add_argument("--max-new-tokens", type=int, default=DISTILL.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DISTILL.temperature)
     p.add_argument("--batch-size", type=int, default=DISTILL.batch_size)
@@ -319,7 +333,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")
     p.add_argument("--data", required=True, help="conversations: ShareGPT-style JSON/JSONL, e.g. medusa distill's")
     p.add_argument("--output", required=True, help="directory for the heads, checkpoints/ and head_accuracy.json")
-    add_model_arguments(p, heads=False)
+    add_model_arguments(p, heads=False, kernels=False)
     add_train_arguments(p)
     p.set_defaults(run=cmd_train)
 
@@ -336,6 +350,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")
+    p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
+                   "and plot measured vs predicted speed (needs calibrated heads)")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("calibrate", help="measure head accuracy and step latency; write the fastest tree beside the heads")

@@ -59,7 +59,7 @@ def propose(heads: MedusaHeads, lm_head, hidden: torch.Tensor, tree: Tree) -> to
     """hidden: [H] -> candidate tokens [N] for the non-root nodes: head/rank given by the tree."""
     if tree.num_nodes == 1:
         return hidden.new_empty(0, dtype=torch.long)
-    logits = heads(hidden, lm_head)[: tree.depth]  # [D, V]
+    logits = heads(hidden, lm_head, num_heads=tree.depth)  # [D, V]
     top = logits.topk(tree.topk_per_head(), dim=-1).indices  # [D, k]
     return top[tree.heads, tree.ranks]
 

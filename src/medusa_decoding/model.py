@@ -19,10 +19,12 @@ from . import default_model, formats
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
 from .decoding import decode
 from .heads import MedusaHeads
+from .kernels import resolve_kernels, use_kernels
 from .tree import Tree
 
 TREE_NAME = "tree.json"
 MERGED_NAME = "model"  # `medusa train --mode medusa2 --merge` writes the merged backbone here, beside its heads
+ADAPTER_NAME = "adapter"  # and `medusa train --mode medusa2` its LoRA adapter
 
 
 @dataclass
@@ -54,10 +56,14 @@ class MedusaModel:
         tokenizer: PreTrainedTokenizerBase,
         heads: MedusaHeads,
         tree: Tree | None = None,
+        kernels: str = "stock",
     ):
+        """kernels: what the model's linear layers run (kernels.py); anything but "stock" changes `model` in place."""
         config = model.config.get_text_config()
-        heads.check_compatible(config.hidden_size, model.get_output_embeddings().weight.shape[0], model.name_or_path)
+        heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
+        self.kernels = resolve_kernels(kernels, model.device, model.dtype)
+        use_kernels(model, self.kernels)
         self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
         self.tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
         self.eos_ids = eos_ids(model, tokenizer)
@@ -68,41 +74,57 @@ class MedusaModel:
         model: str | os.PathLike | None = None,
         heads: str | os.PathLike | MedusaHeads | None = None,
         *,
-        tree=None,
+        tree="auto",
         num_heads: int = 4,
         num_layers: int = 1,
         projection: str = "shared",
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
+        kernels: str = "auto",
     ) -> "MedusaModel":
         """Base model (path or hub id; None: the embedded default) plus heads (directory; None: untrained).
 
-        tree: a Tree, a path list, Cartesian sizes, or None for the heads' own `tree.json` or the default.
+        tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
+            "auto": the tree fitted to this device from the heads' calibrated accuracy (calibrate.auto_tree), else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
+        kernels: "auto" (oneDNN with packed weights on a CPU in float32), "stock", "packed" or "int8" (lossy).
         """
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        if heads is None and model is not None and (Path(model) / MERGED_NAME / "config.json").is_file():
+        merged = heads is None and model is not None and (Path(model) / MERGED_NAME / "config.json").is_file()
+        if merged:
             model, heads = Path(model) / MERGED_NAME, model  # a MEDUSA-2 training output: heads + merged backbone
+        elif heads is None and model is not None and (Path(model) / ADAPTER_NAME / "adapter_config.json").is_file():
+            config = json.loads((Path(model) / ADAPTER_NAME / "adapter_config.json").read_text())
+            model, heads = config["base_model_name_or_path"], model  # heads + adapter: the base it was trained on
         base, tokenizer = load_base(model, dtype, device)
         if heads is None and model is None:
             heads = default_model.shipped_heads()
         if heads is None and model is not None and formats.holds_medusa2_heads(model):
             heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
-        if isinstance(heads, (str, os.PathLike)):
-            heads_dir = Path(heads)
+        heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
+        given = None if tree == "auto" else tree
+        if heads_dir is not None and not merged and (heads_dir / ADAPTER_NAME / "adapter_config.json").is_file():
+            base = with_adapter(base, heads_dir / ADAPTER_NAME)  # MEDUSA-2 heads see the fine-tuned backbone
+        if heads_dir is not None:
             # the base's vocab: heads sharing its LM head in the reference layout record none
             heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
-            if tree is None and (heads_dir / TREE_NAME).is_file():
-                tree = json.loads((heads_dir / TREE_NAME).read_text())
+            if given is None and (heads_dir / TREE_NAME).is_file():
+                given = json.loads((heads_dir / TREE_NAME).read_text())
         if heads is None:
             config = base.config.get_text_config()
             heads = MedusaHeads(
                 HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection, base.name_or_path),
                 base.get_output_embeddings(),
             )
-        return cls(base, tokenizer, heads, tree if isinstance(tree, Tree) or tree is None else Tree.from_spec(tree))
+        medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
+                     kernels)
+        if tree == "auto" and heads_dir is not None:
+            from .calibrate import auto_tree  # calibrate builds on this module
+
+            medusa.tree = auto_tree(medusa, heads_dir) or medusa.tree  # after the kernels: they set the latency
+        return medusa
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """The heads (safetensors + config.json) and the tree they decode with."""
@@ -205,6 +227,23 @@ def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froze
     eos = model.generation_config.eos_token_id
     eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
     return frozenset(e for e in eos if e is not None)
+
+
+def untie_output_embeddings(model: PreTrainedModel) -> None:
+    """A tied lm_head gets its own copy: merging its LoRA must not move the input embeddings too."""
+    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
+    if output.weight.data_ptr() == embeddings.weight.data_ptr():
+        output.weight = torch.nn.Parameter(embeddings.weight.detach().clone(), requires_grad=False)
+        model.config.get_text_config().tie_word_embeddings = False
+        model.config.tie_word_embeddings = False
+
+
+def with_adapter(base: PreTrainedModel, adapter: Path) -> PreTrainedModel:
+    """The base with a MEDUSA-2 LoRA adapter merged in (no adapter overhead when decoding)."""
+    from peft import PeftModel
+
+    untie_output_embeddings(base)  # as in training: the adapter's lm_head is not the embeddings
+    return PeftModel.from_pretrained(base, adapter).merge_and_unload()
 
 
 def load_base(model, dtype=None, device=None, **load_kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:

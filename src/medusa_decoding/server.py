@@ -130,10 +130,10 @@ def request_model(medusa: MedusaModel, options: MedusaOptions | None) -> MedusaM
         return medusa
     try:
         tree = Tree.from_spec(options.tree)
-        vocab = medusa.model.get_output_embeddings().weight.shape[0]
+        vocab = medusa.model.get_output_embeddings().out_features
         if tree.topk_per_head() > vocab:
             raise ValueError(f"tree: rank {tree.topk_per_head() - 1} is past the vocabulary of {vocab} tokens")
-        return MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree)
+        return MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
     except ValueError as error:
         raise RequestError(str(error), "medusa.tree") from None
 
@@ -146,7 +146,7 @@ def prompt_ids(medusa: MedusaModel, body: CommonRequest, config: GenerationConfi
             ids = medusa.encode(messages=[chat_message(m) for m in body.messages])
         else:
             ids = medusa.encode(body.prompt, raw=True)
-        vocab = medusa.model.get_output_embeddings().weight.shape[0]
+        vocab = medusa.model.get_output_embeddings().out_features
         if ids.min() < 0 or ids.max() >= vocab:
             raise ValueError(f"prompt: token ids must lie in [0, {vocab}), got {ids.min()}..{ids.max()}")
     except ValueError as error:

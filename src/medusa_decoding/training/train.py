@@ -28,12 +28,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import HeadsConfig, TrainConfig
 from ..heads import MedusaHeads
-from ..model import MERGED_NAME, load_base
+from ..model import ADAPTER_NAME, MERGED_NAME, load_base, untie_output_embeddings
 from .data import IGNORE_INDEX, build_examples, collate, split
 
 HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
 TOPK_ACCURACY = 5
-CHECKPOINTS, ADAPTER = "checkpoints", "adapter"
+CHECKPOINTS = "checkpoints"
 ACCURACY_NAME, CONFIG_NAME = "head_accuracy.json", "train_config.json"
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
 
@@ -211,15 +211,6 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
     return heads.float()
 
 
-def untie_output_embeddings(model: PreTrainedModel) -> None:
-    """A tied lm_head gets its own copy: merging its LoRA must not move the input embeddings too."""
-    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    if output.weight.data_ptr() == embeddings.weight.data_ptr():
-        output.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=False)
-        model.config.get_text_config().tie_word_embeddings = False
-        model.config.tie_word_embeddings = False
-
-
 def prepare_backbone(model: PreTrainedModel, config: TrainConfig) -> nn.Module:
     """MEDUSA-1: the model, frozen. MEDUSA-2: a peft LoRA model on every linear layer, lm_head included."""
     model.requires_grad_(False)
@@ -342,7 +333,7 @@ def save(wrapper: MedusaTrainingModel, tokenizer, output: Path, config: TrainCon
     if accuracy:
         (output / ACCURACY_NAME).write_text(json.dumps(accuracy, indent=2) + "\n")
     if wrapper.adapted:
-        wrapper.backbone.save_pretrained(output / ADAPTER, save_embedding_layers=False)  # lm_head: its LoRA is enough
+        wrapper.backbone.save_pretrained(output / ADAPTER_NAME, save_embedding_layers=False)  # lm_head: its LoRA is enough
         if merge:
             merged = wrapper.backbone.merge_and_unload()
             merged.save_pretrained(output / MERGED_NAME)

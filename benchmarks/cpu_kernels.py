@@ -1,0 +1,105 @@
+"""Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
+
+For each of stock (MKL), packed (oneDNN, weights reordered once) and int8 (dynamic quantization), side by side:
+  - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
+    256-token prefix, the kernels taking turns so that noise hits all of them alike;
+  - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
+    first difference, and whether greedy MEDUSA equals greedy plain decoding on the same kernels (lossless).
+Prints a table, writes JSON and a PNG.   usage: .venv/bin/python benchmarks/cpu_kernels.py [--out PREFIX]
+"""
+
+import argparse
+import copy
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from medusa_decoding import GenerationConfig, MedusaModel
+from medusa_decoding.bench import read_questions
+from medusa_decoding.calibrate import device_name, measure_step_latency
+from medusa_decoding.config import CalibrateConfig
+from medusa_decoding.tree import Tree
+
+KERNELS = ("stock", "packed", "int8")
+SIZES = (0, 1, 3, 7, 15, 31, 63)  # candidates: passes over 1, 2, 4, 8, 16, 32, 64 tokens
+ROUNDS = 5  # each round times every size on every kernel (7 steps each), the kernels taking turns
+PROMPTS, NEW_TOKENS = 6, 64
+QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="benchmarks/results/cpu_kernels", help="writes OUT.json and OUT.png")
+    parser.add_argument("--questions", default=str(QUESTIONS))
+    args = parser.parse_args()
+
+    base = MedusaModel.from_pretrained(kernels="stock")
+    models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name) for name in KERNELS}
+    trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
+    timings = {name: [[] for _ in SIZES] for name in KERNELS}
+    once = CalibrateConfig(latency_repeats=2)
+    for round_ in range(ROUNDS):
+        print(f"latency round {round_ + 1}/{ROUNDS}", file=sys.stderr)
+        for name, medusa in models.items():
+            for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)):
+                timed.append(seconds)
+    latency = {name: [statistics.median(t) for t in timings[name]] for name in KERNELS}
+
+    prompts = [q.turns[0] for q in read_questions(args.questions, limit=PROMPTS)]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    outputs = {name: [] for name in KERNELS}
+    lossless = {name: True for name in KERNELS}
+    for prompt in prompts:
+        for name, medusa in models.items():
+            plain = medusa.generate(prompt, config=config, medusa=False).token_ids
+            outputs[name].append(plain)
+            lossless[name] &= medusa.generate(prompt, config=config).token_ids == plain
+
+    def agreeing(a, b):
+        return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+    agreement = {name: sum(agreeing(o, s) for o, s in zip(outputs[name], outputs["stock"])) /
+                 sum(len(s) for s in outputs["stock"]) for name in KERNELS}
+    record = {"device": device_name(torch.device("cpu")), "torch": torch.__version__, "tokens": [n + 1 for n in SIZES],
+              "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
+              "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
+    print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
+    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "   packed/stock  int8/stock")
+    for i, tokens in enumerate(record["tokens"]):
+        ms = [1000 * latency[n][i] for n in KERNELS]
+        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + f"{ms[1] / ms[0]:>14.2f}{ms[2] / ms[0]:>12.2f}")
+    for name in KERNELS:
+        print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
+              f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{args.out}.json").write_text(json.dumps(record, indent=1) + "\n")
+    plot(record, f"{args.out}.png")
+
+
+def plot(record: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 4.5))
+    for name in KERNELS:
+        axes.plot(record["tokens"], [1000 * s for s in record["step_latency_s"][name]], marker="o",
+                  label=f"{name} (greedy agrees with stock: {record['greedy_agreement_with_stock'][name]:.0%})")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(record["tokens"], [str(t) for t in record["tokens"]])
+    axes.set_xlabel("tokens in the verification pass (tree size + 1)")
+    axes.set_ylabel("MEDUSA step latency (ms)")
+    axes.set_ylim(bottom=0)
+    axes.set_title(f"SmolLM2-135M fp32 step latency by kernels\n{record['device']}", fontsize=10)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back."""
+
+import copy
+
+import pytest
+import torch
+from conftest import FAMILIES, tiny_tokenizer
+from engine_helpers import greedy_reference, lively_model, random_heads
+
+from medusa_decoding import MedusaModel
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
+from medusa_decoding.decoding import decode
+from medusa_decoding.kernels import PackedLinear, resolve_kernels, stock_kernels, use_kernels
+from medusa_decoding.tree import Tree
+
+PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
+NEW_TOKENS = 48
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def packed_copy(model):
+    return use_kernels(copy.deepcopy(model), "packed")
+
+
+def test_packed_model_computes_the_stock_logits_and_keeps_its_state_dict(family):
+    model = lively_model(family)
+    packed = packed_copy(model)
+    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    with torch.no_grad():
+        expected, got = model(PROMPT[None]).logits, packed(PROMPT[None]).logits
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    state, packed_state = model.state_dict(), packed.state_dict()
+    assert state.keys() == packed_state.keys()  # the packed weights are not saved
+    assert all(torch.equal(state[k], packed_state[k]) for k in state)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_medusa_on_packed_kernels_equals_stock_generate(family):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)  # stock kernels
+    packed = packed_copy(model)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    steps = list(decode(packed, random_heads(packed), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
+    assert [t for step in steps for t in step] == reference
+
+
+def test_stock_kernels_runs_stock_inside_and_packed_after():
+    packed = packed_copy(lively_model("llama"))
+    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
+    with stock_kernels(packed):
+        assert all(type(m) is torch.nn.Linear for m in linears)
+    assert all(type(m) is PackedLinear for m in linears)
+
+
+def test_resolve_kernels():
+    assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == "packed"
+    assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
+    assert resolve_kernels("stock", torch.device("cpu"), torch.float32) == "stock"
+    with pytest.raises(ValueError, match="float32 only"):
+        resolve_kernels("packed", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        resolve_kernels("fast", torch.device("cpu"), torch.float32)
+
+
+def test_int8_kernels_quantize_every_linear_and_still_decode():
+    model = lively_model("llama")
+    medusa = MedusaModel(model, tiny_tokenizer(), random_heads(model), kernels="int8")
+    assert medusa.kernels == "int8"
+    assert not any(type(m) is torch.nn.Linear for m in medusa.model.modules())
+    out = medusa.generate(PROMPT, max_new_tokens=16)
+    assert len(out.token_ids) == 16 and out.steps <= 16
