@@ -174,6 +174,8 @@ def test_read_questions_filters_and_limits(tmp_path):
     path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     assert [q.question_id for q in read_questions(path, ["writing"])] == ["1", "3"]
     assert [q.question_id for q in read_questions(path, limit=2)] == ["1", "2"]
+    assert [q.question_id for q in read_questions(path, per_category=1)] == ["1", "2"]
+    assert [q.question_id for q in read_questions(path, per_category=1, limit=1)] == ["1"]
     assert read_questions(path)[0].turns == ("w10 w11 w12", "w13 w14")
 
 
@@ -188,6 +190,8 @@ def test_read_questions_filters_and_limits(tmp_path):
         (json.dumps(QUESTIONS[0]) + "\n", ["--categories", "poetry"], "unknown 'poetry'"),
         (json.dumps(QUESTIONS[0]) + "\n", ["--limit", "0"], "limit must be a positive integer"),
         (json.dumps(QUESTIONS[0]) + "\n", ["--threads", "0"], "threads must be a positive integer"),
+        (json.dumps(QUESTIONS[0]) + "\n", ["--per-category", "0"], "per_category must be a positive integer"),
+        (json.dumps(QUESTIONS[0]) + "\n", ["--sweep", "0,2"], "sweep: tree sizes must be positive"),
     ],
 )
 def test_cli_errors(tmp_path, capsys, content, args, error):

@@ -17,7 +17,8 @@ from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
 from medusa_decoding.training.train import (
-    MedusaTrainingModel, future_labels, heads_loss, heads_weight, load_backbone, make_heads, prepare_backbone, train,
+    MedusaTrainingModel, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
+    prepare_backbone, train,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,6 +148,8 @@ def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_or
         return wrapper.lm_loss(wrapper.causal_lm.get_output_embeddings(), hidden, ids, mask, batch["labels"]).item()
 
     assert kl() == 0.0  # LoRA B = 0: the student is the original
+    examples = build_examples(tokenizer, counting(4), 64)
+    assert lm_agreement(wrapper, examples, 0, 2) == 1.0
     with torch.no_grad():
         for name, p in wrapper.backbone.named_parameters():
             if "lora_B" in name:
@@ -157,6 +160,7 @@ def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_or
     assert not torch.allclose(adapted, original)
     assert torch.equal(disabled, original)
     assert kl() > 0
+    assert lm_agreement(wrapper, examples, 0, 2) < 1.0  # random LoRA moves some argmaxes
 
 
 def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, tmp_path):
@@ -167,6 +171,7 @@ def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, t
     train(model_for(tokenizer, tie_word_embeddings=True), tokenizer, counting(), tmp_path / "out",
           TrainConfig(**{**CONFIG.__dict__, **overrides}), merge=True, callbacks=[recorder])
     assert recorder.losses[-1] < 0.75 * recorder.losses[0]
+    assert 0 <= json.loads((tmp_path / "out" / "head_accuracy.json").read_text())["lm_top1_agreement"] <= 1
     (heads_lr, heads_params), (backbone_lr, _) = recorder.groups
     assert heads_lr == pytest.approx(4 * backbone_lr)
 

@@ -80,13 +80,15 @@ def parse_question(line: str, path: Path, number: int) -> Question:
     return Question(str(name), str(record.get("category") or UNCATEGORIZED), tuple(turns))
 
 
-def read_questions(path, categories=None, limit: int | None = None) -> list[Question]:
-    """MT-Bench-style JSONL ({"question_id", "category", "turns": [...]}), filtered by category, then cut."""
+def read_questions(path, categories=None, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """MT-Bench-style JSONL ({"question_id", "category", "turns": [...]}), filtered by category, the first
+    per_category of each category kept (a balanced sample), then cut to limit."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"questions: {path} does not exist")
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit must be a positive integer, got {limit!r}")
+    for name, value in (("limit", limit), ("per_category", per_category)):
+        if value is not None and value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     lines = path.read_text(encoding="utf-8").splitlines()
     questions = [parse_question(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
     if not questions:
@@ -97,6 +99,9 @@ def read_questions(path, categories=None, limit: int | None = None) -> list[Ques
         if unknown:
             raise ValueError(f"categories: unknown {', '.join(map(repr, unknown))}; {path} has {', '.join(known)}")
         questions = [q for q in questions if q.category in categories]
+    if per_category is not None:
+        seen = Counter()
+        questions = [q for q in questions if seen.update([q.category]) or seen[q.category] <= per_category]
     return questions[:limit]
 
 

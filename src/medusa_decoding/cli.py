@@ -188,7 +188,7 @@ def cmd_bench(args) -> None:
             raise ValueError(f"threads must be a positive integer, got {args.threads!r}")
         torch.set_num_threads(args.threads)  # a shared CPU: fewer threads than cores, or OpenMP spin-waits
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    questions = read_questions(args.questions, categories, args.limit)  # before the model loads: bad input fails at once
+    questions = read_questions(args.questions, categories, args.limit, args.per_category)  # before the model loads: bad input fails at once
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
@@ -201,7 +201,7 @@ def cmd_bench(args) -> None:
     accuracy = read_accuracy(heads_dir) if heads_dir else None
     report = benchmark(medusa, questions, config, accuracy=accuracy, sweep=sweep)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
-                            categories=categories, limit=args.limit, heads_trained=heads_trained(medusa.heads))
+                            categories=categories, limit=args.limit, per_category=args.per_category, heads_trained=heads_trained(medusa.heads))
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
@@ -347,6 +347,7 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--limit", type=int, help="only the first N questions (after --categories)")
     p.add_argument("--categories", help="comma-separated categories to keep, e.g. writing,coding")
+    p.add_argument("--per-category", type=int, help="only the first N questions of each category (a balanced sample)")
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")

@@ -301,8 +301,28 @@ def train(
     )
     trainer.train(resume_from_checkpoint=str(last) if resume else None)
     accuracy = head_accuracy(trainer.evaluate(), heads.config.num_heads, len(eval_set)) if eval_set else {}
+    if wrapper.adapted and eval_set:
+        accuracy["lm_top1_agreement"] = lm_agreement(wrapper, eval_set, pad_id, config.batch_size)
     save(wrapper, tokenizer, output, config, accuracy, merge)
     return accuracy
+
+
+def lm_agreement(wrapper: MedusaTrainingModel, examples: list, pad_id: int, batch_size: int) -> float:
+    """MEDUSA-2's fidelity: the share of answer positions, teacher-forced, where the adapted model's next-token
+    argmax is the original model's (the same network with its adapter disabled)."""
+    agree, total = 0, 0
+    device = next(wrapper.heads.parameters()).device
+    wrapper.eval()
+    with torch.no_grad():
+        for start in range(0, len(examples), batch_size):
+            batch = {k: v.to(device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
+            inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+            keep = future_labels(batch["labels"], 1) != IGNORE_INDEX
+            adapted = wrapper.backbone(**inputs).logits[keep].argmax(-1)
+            with wrapper.backbone.disable_adapter():
+                original = wrapper.backbone(**inputs).logits[keep].argmax(-1)
+            agree, total = agree + int((adapted == original).sum()), total + int(keep.sum())
+    return agree / max(total, 1)
 
 
 def last_checkpoint(directory: Path) -> Path | None:
