@@ -102,8 +102,11 @@ def test_demo_streams_and_compares_both_speeds(smollm):
     out = run.stdout
     for prompt in DEFAULT_MODEL.demo_prompts:
         assert f">>> {prompt}" in out
-    speeds = re.findall(r"MEDUSA (\d+\.\d) tok/s \((\d\.\d\d) tokens/step\)  \|  plain (\d+\.\d) tok/s  \|  identical: yes", out)
+    speeds = re.findall(r"MEDUSA (\d+\.\d) tok/s \((\d\.\d\d) tokens/step\)  \|  plain (\d+\.\d) tok/s  \|  "
+                        r"transformers generate (\d+\.\d) tok/s  \|  identical: yes", out)
     assert len(speeds) == len(DEFAULT_MODEL.demo_prompts), out
-    assert all(float(medusa_speed) > 0 and float(plain_speed) > 0 for medusa_speed, _, plain_speed in speeds)
-    assert re.search(r"^all prompts +\d+ +\d+\.\d +\d\.\d\d +\d+\.\d +\d+\.\d\dx  yes$", out, re.MULTILINE), out
+    assert all(float(fast) > 0 and float(plain) > 0 and float(hf) > 0 for fast, _, plain, hf in speeds)
+    assert re.search(r"^all prompts +\d+ +\d+\.\d +\d\.\d\d +\d+\.\d +\d+\.\d +\d+\.\d\dx +\d+\.\d\dx  yes$", out,
+                     re.MULTILINE), out
+    assert "(--tree auto)" in out and "packed kernels" in out
     assert ("untrained heads" in out) == (not heads_trained(smollm.heads))  # the same heads the demo loads
