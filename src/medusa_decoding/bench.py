@@ -175,10 +175,12 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
             bar.update()
     bar.close()
     result = report(turns, config, medusa.model.device)
-    result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels, num_heads=medusa.heads.config.num_heads,
+    result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
+                            num_heads=medusa.heads.config.num_heads,
                             tree=[list(path) for path in medusa.tree.paths])
     if accuracy is not None:
-        decoders = [("plain", PLAIN, [t[-1]["plain"] for t in turns]), ("medusa", medusa.tree, [t[-1]["medusa"] for t in turns])]
+        decoders = [(name, tree, [outputs[name] for *_, outputs in turns])
+                    for name, tree in (("plain", PLAIN), ("medusa", medusa.tree))]
         decoders += [("sweep", view.tree, outs) for view, outs in zip(swept, sweep_outputs)]
         result["prediction"] = predictions(medusa, accuracy, decoders)
     return result
@@ -206,7 +208,8 @@ def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list) -> 
         per_step = 1 + expected_acceptance(tree.paths, accuracy)
         predicted = per_step / latency
         rows.append({"decoder": name, "tree_size": tree.num_nodes - 1, "step_latency_s": latency,
-                     "predicted_tokens_per_step": per_step, "measured_tokens_per_step": ratio(totals.new_tokens, totals.steps),
+                     "predicted_tokens_per_step": per_step,
+                     "measured_tokens_per_step": ratio(totals.new_tokens, totals.steps),
                      "predicted_tokens_per_s": predicted, "measured_tokens_per_s": totals.tokens_per_s,
                      "error": ratio(totals.tokens_per_s, predicted) - 1})
     return rows

@@ -82,10 +82,11 @@ class MedusaModel:
         device: str | torch.device | None = None,
         kernels: str = "auto",
     ) -> "MedusaModel":
-        """Base model (path or hub id; None: the embedded default) plus heads (directory; None: untrained).
+        """Base model (path or hub id; None: the embedded default) plus heads (directory; None: the embedded
+        default's shipped heads, else untrained). A MEDUSA-2 training output may stand for both.
 
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
-            "auto": the tree fitted to this device from the heads' calibrated accuracy (calibrate.auto_tree), else None's.
+            "auto": the tree fitted to this device from the heads' calibration (calibrate.auto_tree), else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
         kernels: "auto" (oneDNN with packed weights on a CPU in float32), "stock", "packed" or "int8" (lossy).
         """
