@@ -1,6 +1,7 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
-For each of stock (MKL), packed (oneDNN, weights reordered once) and int8 (dynamic quantization), side by side:
+For each of stock (MKL), packed (oneDNN, weights reordered once, stock below the rows where it stops paying) and
+int8 (torch.ao dynamic quantization: measured here, not offered by the library), side by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
@@ -37,7 +38,10 @@ def main() -> None:
     args = parser.parse_args()
 
     base = MedusaModel.from_pretrained(kernels="stock")
-    models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name) for name in KERNELS}
+    models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
+              for name in ("stock", "packed")}
+    int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
+    models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)  # not offered by the library: lossy
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
     timings = {name: [[] for _ in SIZES] for name in KERNELS}
     once = CalibrateConfig(latency_repeats=2)

@@ -4,10 +4,9 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_tokenizer
+from conftest import FAMILIES
 from engine_helpers import greedy_reference, lively_model, random_heads
 
-from medusa_decoding import MedusaModel
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode
 from medusa_decoding.kernels import PackedLinear, resolve_kernels, stock_kernels, use_kernels
@@ -63,10 +62,12 @@ def test_resolve_kernels():
         resolve_kernels("fast", torch.device("cpu"), torch.float32)
 
 
-def test_int8_kernels_quantize_every_linear_and_still_decode():
-    model = lively_model("llama")
-    medusa = MedusaModel(model, tiny_tokenizer(), random_heads(model), kernels="int8")
-    assert medusa.kernels == "int8"
-    assert not any(type(m) is torch.nn.Linear for m in medusa.model.modules())
-    out = medusa.generate(PROMPT, max_new_tokens=16)
-    assert len(out.token_ids) == 16 and out.steps <= 16
+def test_packed_linears_run_stock_below_min_rows():
+    packed = packed_copy(lively_model("llama"))
+    layer = next(m for m in packed.modules() if isinstance(m, PackedLinear))
+    layer.min_rows = 3
+    x = torch.randn(3, layer.in_features)
+    with torch.no_grad():
+        assert torch.equal(layer(x[:2]), torch.nn.functional.linear(x[:2], layer.weight, layer.bias))
+        expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+        assert torch.equal(layer(x), expected)

@@ -24,7 +24,7 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "(default: fitted to this device from the heads' calibration, else their tree.json)")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
-                            help="linear-layer kernels: auto (packed oneDNN on a CPU in float32), stock, packed, int8 (lossy)")
+                            help="linear-layer kernels: auto (packed oneDNN on a CPU in float32), stock, packed")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -88,7 +88,7 @@ class MedusaModel:
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
             "auto": the tree fitted to this device from the heads' calibration (calibrate.auto_tree), else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (oneDNN with packed weights on a CPU in float32), "stock", "packed" or "int8" (lossy).
+        kernels: "auto" (oneDNN with packed weights on a CPU in float32, else stock), "stock" or "packed".
         """
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
