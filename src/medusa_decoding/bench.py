@@ -325,6 +325,7 @@ def plot(report: dict, path) -> None:
 
 def plot_speed(axes, rows: list[dict]) -> None:
     """Tokens/s against tree size: the calibration model's prediction as a line, the measured speed as dots."""
+    import matplotlib.ticker
     rows = sorted(rows, key=lambda p: p["tree_size"])
     sizes = [p["tree_size"] for p in rows]
     axes.plot(sizes, [p["predicted_tokens_per_s"] for p in rows], color="tab:blue", marker=".", label="predicted")
@@ -332,6 +333,9 @@ def plot_speed(axes, rows: list[dict]) -> None:
     chosen = next(p for p in rows if p["decoder"] == "medusa")
     axes.axvline(chosen["tree_size"], color="tab:green", ls="--", lw=1, label=f"tree used: {chosen['tree_size']}")
     axes.set_xscale("symlog", linthresh=4)
+    axes.set_xticks(sizes, [str(n) for n in sizes])
+    axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    axes.set_xlim(-0.5, max(sizes) * 1.3 + 1)
     axes.set_xlabel("tree size (candidates; 0 = plain)")
     axes.set_ylabel("new tokens / s")
     axes.set_title("speed vs tree size")
