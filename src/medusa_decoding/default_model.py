@@ -45,6 +45,7 @@ def converted_dir() -> Path:
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # the weights are dequantized now: save them as a plain model
+    tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer: the clean-up would only warn (5.17) or harm
     del model.config.quantization_config
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
