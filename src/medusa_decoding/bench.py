@@ -20,12 +20,11 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .calibrate import device_name, expected_acceptance, grow_tree, measure_step_latency
+from .calibrate import device_name, expected_acceptance, greedy_trees, measure_step_latency
 from .config import GenerationConfig
 from .decoding import PLAIN
 from .kernels import stock_kernels
 from .model import GenerationOutput, MedusaModel
-from .tree import Tree, build
 
 DECODERS = ("medusa", "plain", "transformers")
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
@@ -184,14 +183,6 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         decoders += [("sweep", view.tree, outs) for view, outs in zip(swept, sweep_outputs)]
         result["prediction"] = predictions(medusa, accuracy, decoders)
     return result
-
-
-def greedy_trees(accuracy: torch.Tensor, sizes) -> list[Tree]:
-    """The calibrated tree of each size: the first n nodes of the greedy tree search."""
-    paths, _ = grow_tree(accuracy, max(sizes))
-    if len(paths) < max(sizes):
-        raise ValueError(f"sweep: the heads allow at most {len(paths)} nodes, asked for {max(sizes)}")
-    return [build(tuple(paths[:n])) for n in sizes]
 
 
 def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list) -> list[dict]:

@@ -89,6 +89,14 @@ def grow_tree(accuracy: torch.Tensor, num_nodes: int) -> tuple[list[Node], list[
     return paths, expected
 
 
+def greedy_trees(accuracy: torch.Tensor, sizes) -> list[Tree]:
+    """The best tree of each size: the first n nodes of the greedy tree search. accuracy: [K, S]"""
+    paths, _ = grow_tree(accuracy, max(sizes))
+    if len(paths) < max(sizes):
+        raise ValueError(f"tree sizes: the heads allow at most {len(paths)} nodes, asked for {max(sizes)}")
+    return [build(tuple(paths[:n])) for n in sizes]
+
+
 def tried_sizes(max_nodes: int) -> list[int]:
     """The tree sizes whose step latency is measured: every size up to 6, then ever sparser (latency is smooth)."""
     return sorted({n for n in TRIED_SIZES if n <= max_nodes} | {max_nodes})
@@ -225,10 +233,8 @@ def setup(medusa) -> str:
 
 def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
     """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted."""
-    paths, _ = grow_tree(accuracy, config.max_nodes)
-    sizes = tried_sizes(len(paths))
-    trees = [build(tuple(paths[:n])) for n in sizes]
-    return choose_tree(accuracy, sizes, measure_step_latency(medusa, trees, config))
+    sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
+    return choose_tree(accuracy, sizes, measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
@@ -246,14 +252,15 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     plot(calibration, directory, setup)
 
 
-def read_accuracy(heads_dir: str | Path) -> torch.Tensor | None:
-    """The accuracy table `medusa calibrate` left beside the heads, if any. [K, S]"""
+def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None] | None:
+    """The accuracy table [K, S] `medusa calibrate` left beside the heads and the setup it timed, if any."""
     path = Path(heads_dir) / ACCURACY_NAME
     if not path.is_file():
         return None
     try:
-        return torch.tensor(json.loads(path.read_text())["accuracy"], dtype=torch.float64)
-    except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
+        record = json.loads(path.read_text())
+        return torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup")
+    except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
 
 
@@ -264,11 +271,12 @@ def auto_tree(medusa, heads_dir: str | Path, config: CalibrateConfig = DEFAULTS)
     of latency measurement) and cached under cache_root()/trees, keyed by model, heads and setup.
     """
     heads_dir = Path(heads_dir)
-    accuracy = read_accuracy(heads_dir)
-    if accuracy is None:
+    calibration = read_accuracy(heads_dir)
+    if calibration is None:
         return None
+    accuracy, calibrated_on = calibration
     here = setup(medusa)
-    if json.loads((heads_dir / ACCURACY_NAME).read_text()).get("setup") == here and (heads_dir / TREE_NAME).is_file():
+    if calibrated_on == here and (heads_dir / TREE_NAME).is_file():
         return Tree.from_spec(json.loads((heads_dir / TREE_NAME).read_text()))
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), accuracy.tolist(), here]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]

@@ -188,14 +188,14 @@ def cmd_bench(args) -> None:
 
     from .bench import benchmark, plot, read_questions, table
     from .calibrate import read_accuracy
-    from .default_model import shipped_heads
 
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"threads must be a positive integer, got {args.threads!r}")
         torch.set_num_threads(args.threads)  # a shared CPU: fewer threads than cores, or OpenMP spin-waits
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
-    questions = read_questions(args.questions, categories, args.limit, args.per_category)  # before the model loads: bad input fails at once
+    # before the model loads: bad input fails at once
+    questions = read_questions(args.questions, categories, args.limit, args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
@@ -204,11 +204,11 @@ def cmd_bench(args) -> None:
     medusa = load(args)
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
-    heads_dir = args.heads or (shipped_heads() if args.model is None else None)
-    accuracy = read_accuracy(heads_dir) if heads_dir else None
-    report = benchmark(medusa, questions, config, accuracy=accuracy, sweep=sweep)
+    calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
+    report = benchmark(medusa, questions, config, accuracy=calibration[0] if calibration else None, sweep=sweep)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
-                            categories=categories, limit=args.limit, per_category=args.per_category, heads_trained=heads_trained(medusa.heads))
+                            categories=categories, limit=args.limit, per_category=args.per_category,
+                            heads_trained=heads_trained(medusa.heads))
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:

@@ -62,6 +62,7 @@ class MedusaModel:
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
+        self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
         self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
@@ -121,6 +122,7 @@ class MedusaModel:
             )
         medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
                      kernels)
+        medusa.heads_dir = heads_dir
         if tree == "auto" and heads_dir is not None:
             from .calibrate import auto_tree  # calibrate builds on this module
 
