@@ -1,7 +1,8 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
-For each of stock (MKL), packed (oneDNN, weights reordered once, stock below the rows where it stops paying) and
-int8 (torch.ao dynamic quantization: measured here, not offered by the library), side by side:
+For each of stock (MKL), packed (oneDNN, weights reordered once, stock below the rows where it stops paying),
+int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles where the CPU has them), the
+last two measured here and not offered by the library, side by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
@@ -24,7 +25,7 @@ from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "packed", "int8")
+KERNELS = ("stock", "packed", "int8", "bf16")
 SIZES = (0, 1, 3, 7, 15, 31, 63)  # candidates: passes over 1, 2, 4, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (7 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
@@ -42,6 +43,7 @@ def main() -> None:
               for name in ("stock", "packed")}
     int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
     models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)  # not offered by the library: lossy
+    models["bf16"] = MedusaModel(copy.deepcopy(base.model).bfloat16(), base.tokenizer, base.heads, base.tree)
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
     timings = {name: [[] for _ in SIZES] for name in KERNELS}
     once = CalibrateConfig(latency_repeats=2)
@@ -71,10 +73,10 @@ def main() -> None:
               "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
               "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
     print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
-    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "   packed/stock  int8/stock")
+    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "".join(f"{n + '/stock':>13}" for n in KERNELS[1:]))
     for i, tokens in enumerate(record["tokens"]):
         ms = [1000 * latency[n][i] for n in KERNELS]
-        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + f"{ms[1] / ms[0]:>14.2f}{ms[2] / ms[0]:>12.2f}")
+        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + "".join(f"{m / ms[0]:>13.2f}" for m in ms[1:]))
     for name in KERNELS:
         print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
               f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")
@@ -98,7 +100,7 @@ def plot(record: dict, path: str) -> None:
     axes.set_xlabel("tokens in the verification pass (tree size + 1)")
     axes.set_ylabel("MEDUSA step latency (ms)")
     axes.set_ylim(bottom=0)
-    axes.set_title(f"SmolLM2-135M fp32 step latency by kernels\n{record['device']}", fontsize=10)
+    axes.set_title(f"SmolLM2-135M step latency by kernels\n{record['device']}", fontsize=10)
     axes.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=100)

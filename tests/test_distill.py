@@ -11,6 +11,7 @@ from engine_helpers import greedy_reference, lively_model
 from medusa_decoding.cli import main
 from medusa_decoding.config import DistillConfig
 from medusa_decoding.training.data import Prompt, read_prompts
+from medusa_decoding.training import distill as distill_module
 from medusa_decoding.training.distill import completed_ids, distill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -128,3 +129,16 @@ def test_cli_distills_with_sampling_and_resumes(model, tokenizer, tmp_path):
     assert {r["id"]: r for r in lines(tmp_path / "b.jsonl")}["p3"] == {r["id"]: r for r in lines(tmp_path / "a.jsonl")}["p3"]
     with pytest.raises(SystemExit):
         main([*args, "--output", str(tmp_path / "c.jsonl"), "--limit", "0"])
+
+
+def test_cli_distills_in_bfloat16_when_asked(model, tokenizer, tmp_path, monkeypatch):
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    seeds = write_jsonl(tmp_path / "seeds.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in PROMPTS])
+    dtypes, real = [], distill_module.distill
+    monkeypatch.setattr(distill_module, "distill", lambda m, *a, **k: dtypes.append(m.dtype) or real(m, *a, **k))
+    for flag in ([], ["--bf16"]):
+        main(["distill", "--input", str(seeds), "--model", str(tmp_path / "model"), "--max-new-tokens", "4",
+              "--output", str(tmp_path / f"out{len(flag)}.jsonl"), "--limit", "2", *flag])
+        assert len(lines(tmp_path / f"out{len(flag)}.jsonl")) == 2
+    assert dtypes == [torch.float32, torch.bfloat16]

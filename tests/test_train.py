@@ -16,6 +16,7 @@ from medusa_decoding.cli import main
 from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
+from medusa_decoding.training import train as train_module
 from medusa_decoding.training.train import (
     MedusaTrainingModel, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
     prepare_backbone, train,
@@ -88,11 +89,40 @@ def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
             for t in range(length):
                 if 0 <= t + k + 2 + shift < length:
                     head[-1].weight[tokens[t + k + 2 + shift], t] = 30.0
-    loss, hits = heads_loss(heads, None, torch.eye(length)[None], labels, decay=0.8)
+    with torch.no_grad():
+        loss, hits = heads_loss(heads, None, torch.eye(length)[None], labels, decay=0.8)
     # targets by hand: head 0 at t=1..4 (x3..x6), head 1 at t=0..3, head 2 at t=0..2
     assert hits[0, :, 2].tolist() == [4, 4, 3]
     assert hits[0, :, 0].tolist() == ([4, 4, 3] if hit else [0, 0, 0])
     assert (loss < 1e-6) if hit else (loss > 10)
+
+
+def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
+    """Chunks of 4 positions (logits recomputed in backward when training): the loss, gradients and hits of all
+    positions at once."""
+    torch.manual_seed(0)
+    heads = MedusaHeads(HeadsConfig(hidden_size=8, vocab_size=5, num_heads=3, projection="own"))  # some hits by chance
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.5)
+    hidden, labels = torch.randn(2, 9, 8), torch.randint(0, 5, (2, 9))
+    labels[0, :3], labels[1, 6:] = I, I  # a prompt, and padding
+    logits = heads(hidden)  # [K, B, T, V]
+    targets = [future_labels(labels, k + 2) for k in range(3)]
+    at_once = sum(0.8 ** k * torch.nn.functional.cross_entropy(logits[k].flatten(0, 1), targets[k].flatten(),
+                                                                ignore_index=I) for k in range(3))
+    top1 = torch.stack([((logits[k].argmax(-1) == targets[k]) & (targets[k] != I)).sum(-1) for k in range(3)], 1)
+    monkeypatch.setattr(train_module, "LOSS_CHUNK", 4)
+    loss, none = heads_loss(heads, None, hidden, labels, decay=0.8)
+    assert none is None  # training reads no hits
+    with torch.no_grad():
+        evaluated, hits = heads_loss(heads, None, hidden, labels, decay=0.8)
+    torch.testing.assert_close(evaluated, at_once.detach())
+    for chunked, whole in zip(torch.autograd.grad(loss, list(heads.parameters())),
+                              torch.autograd.grad(at_once, list(heads.parameters()))):
+        torch.testing.assert_close(chunked, whole)
+    torch.testing.assert_close(loss, at_once)
+    assert hits[..., 0].tolist() == top1.tolist() and hits[..., 0].sum() > 0
+    assert hits[..., 2].tolist() == [[(t[b] != I).sum().item() for t in targets] for b in range(2)]
 
 
 def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():

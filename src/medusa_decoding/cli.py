@@ -177,7 +177,8 @@ def cmd_distill(args) -> None:
     config = DistillConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            batch_size=args.batch_size, seed=args.seed)
     prompts = read_prompts(args.input)[: args.limit]
-    model, tokenizer = load_base(args.model, device="cuda" if torch.cuda.is_available() else None)
+    dtype = torch.bfloat16 if args.bf16 else None
+    model, tokenizer = load_base(args.model, dtype, device="cuda" if torch.cuda.is_available() else None)
     stats = distill(model, tokenizer, prompts, args.output, config)
     print(f"distill: {stats.records} new conversations, {stats.tokens} answer tokens in {stats.seconds:.1f} s "
           f"({stats.tokens_per_s:.1f} tokens/s) -> {args.output}", file=sys.stderr)
@@ -335,6 +336,8 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=DISTILL.batch_size)
     p.add_argument("--limit", type=int, help="only the first N input records")
     p.add_argument("--seed", type=int, default=DISTILL.seed)
+    p.add_argument("--bf16", action="store_true", help="the model in bfloat16: on a GPU, or a CPU with AMX, "
+                   "batched answers come several times faster (the data is sampled anyway)")
     p.set_defaults(run=cmd_distill)
 
     p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -33,6 +34,7 @@ from .data import IGNORE_INDEX, build_examples, collate, split
 
 HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
 TOPK_ACCURACY = 5
+LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
 CHECKPOINTS = "checkpoints"
 ACCURACY_NAME, CONFIG_NAME = "head_accuracy.json", "train_config.json"
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
@@ -44,21 +46,37 @@ def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
 
 
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float):
-    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets).
+    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets;
+    None while training, when nothing reads them).
 
-    The heads run only where some head has a target, so prompts and padding cost nothing.
+    The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
+    positions at a time, their logits recomputed in the backward pass: K x N x V logits at once cost gigabytes
+    (an out-of-memory kill at 24 GiB), and on a CPU most of a step went to faulting that memory in.
     """
     num_heads = heads.config.num_heads
     targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
     keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
-    logits = heads(hidden[keep], lm_head).float()  # [K, N, V]
     targets = targets[:, keep]  # [K, N]
-    counts = (targets != IGNORE_INDEX).sum(-1)  # [K]
-    losses = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none").view_as(targets).sum(-1)
-    loss = (losses / counts.clamp(min=1) * decay ** torch.arange(num_heads, device=losses.device)).sum()
+    weights = decay ** torch.arange(num_heads, device=hidden.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
+    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1)))
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    if torch.is_grad_enabled():
+        def chunk_loss(chunk_hidden, chunk_targets):
+            return weighted_ce(heads(chunk_hidden, lm_head), chunk_targets, weights)
+
+        return loss + sum(checkpoint(chunk_loss, h, t, use_reentrant=False) for h, t in chunks), None
+    hits = targets.new_zeros(num_heads, 0, 3)
+    for chunk_hidden, chunk_targets in chunks:
+        logits = heads(chunk_hidden, lm_head)
+        loss, hits = loss + weighted_ce(logits, chunk_targets, weights), torch.cat([hits, head_hits(logits, chunk_targets)], 1)
     rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
-    hits = head_hits(logits.detach(), targets)  # [K, N, 3]
     return loss, hits.new_zeros(labels.shape[0], num_heads, 3).index_add_(0, rows, hits.transpose(0, 1))
+
+
+def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk."""
+    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
+    return (losses.sum(-1) * weights).sum()
 
 
 def head_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,7 +115,7 @@ class MedusaTrainingModel(nn.Module):
         loss = heads_weight * loss
         if self.adapted:
             loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
-        return {"loss": loss, "head_hits": hits}
+        return {"loss": loss} if hits is None else {"loss": loss, "head_hits": hits}
 
     def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
         """MEDUSA-2's backbone term at every position whose next token is an answer token."""
@@ -233,6 +251,7 @@ def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> Tra
         max_steps=config.max_steps,
         per_device_train_batch_size=config.batch_size,
         per_device_eval_batch_size=config.batch_size,
+        train_sampling_strategy="group_by_length",  # batches of similar lengths: padding was 60% of the tokens
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         learning_rate=config.learning_rate,
         weight_decay=0.0,
@@ -245,6 +264,7 @@ def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> Tra
         eval_strategy="steps" if evaluate else "no",
         eval_steps=config.save_steps,
         bf16=config.bf16,
+        use_cpu=config.bf16 and not torch.cuda.is_available(),  # bf16 autocast on a CPU (AMX) must be asked for
         seed=config.seed,
         data_seed=config.seed,
         report_to="none",
