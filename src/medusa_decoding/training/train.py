@@ -68,7 +68,8 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, lab
     hits = targets.new_zeros(num_heads, 0, 3)
     for chunk_hidden, chunk_targets in chunks:
         logits = heads(chunk_hidden, lm_head)
-        loss, hits = loss + weighted_ce(logits, chunk_targets, weights), torch.cat([hits, head_hits(logits, chunk_targets)], 1)
+        loss = loss + weighted_ce(logits, chunk_targets, weights)
+        hits = torch.cat([hits, head_hits(logits, chunk_targets)], 1)
     rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
     return loss, hits.new_zeros(labels.shape[0], num_heads, 3).index_add_(0, rows, hits.transpose(0, 1))
 
@@ -87,7 +88,7 @@ def head_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 class MedusaTrainingModel(nn.Module):
-    """Backbone (frozen, or a peft LoRA model) + heads; forward returns the loss and per-head hits.
+    """Backbone (frozen, or a peft LoRA model) + heads; forward returns the loss, and per-head hits when evaluating.
 
     Its state dict holds only the trainable tensors: checkpoints stay small, and resuming restores
     exactly what training changes (the frozen rest is loaded with the model).
