@@ -4,12 +4,12 @@ A MEDUSA step on a CPU is a forward pass over 2-16 tokens, where stock `F.linear
 repacks the weight on every call, and on a 2-core AVX2 machine a SmolLM2 pass over 2 tokens costs 1.5x one over
 1 token. oneDNN with each weight reordered once (`packed`) picks the same argmax as stock (logits within 1e-4)
 and runs 4-16 token passes 5-15% faster on a 2-core Xeon (up to 35% on a 2-core AMD EPYC); for 1-3 tokens the
-packed layers fall back to stock kernels, which were as fast or faster there. int8 dynamic quantization (`torch.ao`) halves the
-latency again but is not offered: on SmolLM2-135M its greedy output leaves the float32 model's within the first
-few tokens (per-tensor or per-channel). bfloat16 (`dtype=torch.bfloat16`: oneDNN AMX tiles on a recent Xeon) is not
-the CPU default: its step latency is
-nearly flat from 1 to 16 tokens (40 to 50 ms, against stock 35 to 76), but greedy MEDUSA no longer equals greedy
-plain decoding (a 16-token pass rounds differently from a 1-token pass), so the output would depend on the tree.
+packed layers fall back to stock kernels, which were as fast or faster there. int8 dynamic quantization
+(`torch.ao`) halves the latency again but is not offered: on SmolLM2-135M its greedy output leaves the float32
+model's within the first few tokens (per-tensor or per-channel). bfloat16 (`dtype=torch.bfloat16`: oneDNN AMX
+tiles on a recent Xeon) is not the CPU default: its step latency is nearly flat from 1 to 16 tokens (40 to 50 ms,
+against stock 35 to 76), but greedy MEDUSA no longer equals greedy plain decoding (a 16-token pass rounds
+differently from a 1-token pass), so the output would depend on the tree.
 Measured side by side: benchmarks/cpu_kernels.py and its results.
 """
 

@@ -65,11 +65,12 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, lab
             return weighted_ce(heads(chunk_hidden, lm_head), chunk_targets, weights)
 
         return loss + sum(checkpoint(chunk_loss, h, t, use_reentrant=False) for h, t in chunks), None
-    hits = targets.new_zeros(num_heads, 0, 3)
+    hits = [targets.new_zeros(num_heads, 0, 3)]  # [K, n, 3] per chunk, joined once
     for chunk_hidden, chunk_targets in chunks:
         logits = heads(chunk_hidden, lm_head)
         loss = loss + weighted_ce(logits, chunk_targets, weights)
-        hits = torch.cat([hits, head_hits(logits, chunk_targets)], 1)
+        hits.append(head_hits(logits, chunk_targets))
+    hits = torch.cat(hits, 1)  # [K, N, 3]
     rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
     return loss, hits.new_zeros(labels.shape[0], num_heads, 3).index_add_(0, rows, hits.transpose(0, 1))
 
