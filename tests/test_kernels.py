@@ -9,7 +9,7 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode
-from medusa_decoding.kernels import PackedLinear, resolve_kernels, stock_kernels, use_kernels
+from medusa_decoding.kernels import Int8Linear, PackedLinear, guess_projection, resolve_kernels, stock_kernels, use_kernels
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -71,3 +71,30 @@ def test_packed_linears_run_stock_below_min_rows():
         assert torch.equal(layer(x[:2]), torch.nn.functional.linear(x[:2], layer.weight, layer.bias))
         expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
         assert torch.equal(layer(x), expected)
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_int8_linear_approximates_its_float_layer(bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 1000, bias=bias)
+    x = torch.randn(5, 3, 64)
+    with torch.no_grad():
+        expected, got = layer(x), Int8Linear(layer)(x)
+    assert got.shape == expected.shape and got.dtype == expected.dtype
+    error = (got - expected).abs().max() / expected.abs().max()
+    assert error < 0.02  # 8-bit weights and bfloat16 activations: about 1% of the largest logit
+    assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_packed_kernels_only(family):
+    model = lively_model(family)
+    assert guess_projection(model) is model.get_output_embeddings()
+    packed = packed_copy(model)
+    guesses = guess_projection(packed)
+    assert isinstance(guesses, Int8Linear) and guesses is not packed.get_output_embeddings()
+    assert use_kernels(packed, "packed") is packed and guess_projection(packed) is guesses  # made once
+    hidden = torch.randn(4, model.config.hidden_size)
+    with torch.no_grad():
+        exact = packed.get_output_embeddings()(hidden)
+        torch.testing.assert_close(exact, model.get_output_embeddings()(hidden), rtol=1e-4, atol=1e-4)  # float32 still
+        assert (guesses(hidden).argmax(-1) == exact.argmax(-1)).all()

@@ -27,6 +27,7 @@ from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
 from .decoding import context_limit, prefill, propose, verify
 from .default_model import cache_root
+from .kernels import guess_projection
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -151,7 +152,7 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hits = torch.zeros(num_heads, ranks, dtype=torch.long)
     counts = torch.zeros(num_heads, dtype=torch.long)
-    lm_head = model.get_output_embeddings()
+    lm_head = guess_projection(model)  # as the decoding loop guesses
     progress = tqdm(total=config.max_positions, desc="calibrate: head accuracy", unit="pos")
     with torch.inference_mode():
         for start in range(0, len(examples), config.batch_size):
@@ -182,7 +183,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     The sizes take turns, so a burst of load from elsewhere slows all of them, not one.
     """
     model, heads = medusa.model, medusa.heads
-    lm_head, device = model.get_output_embeddings(), model.device
+    lm_head, device = guess_projection(model), model.device
     prefix_len = max(1, min(config.latency_prefix, context_limit(model) - max(t.num_nodes for t in trees)))
     prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
     greedy_config = GenerationConfig()

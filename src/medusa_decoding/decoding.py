@@ -14,6 +14,7 @@ from . import cache as kv
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
 from .heads import MedusaHeads
+from .kernels import guess_projection
 from .tree import Tree, build
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -98,7 +99,7 @@ def decode(
     if tree.num_nodes > 1:
         tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
     rule = RULES[config.rule]
-    lm_head = model.get_output_embeddings()
+    lm_head = guess_projection(model)  # the heads' guesses only; the model's logits come from its own LM head
     with torch.inference_mode():
         # the cache holds at most the prompt, every new token but the last, and one tree
         cache, logits, hidden = prefill(model, prompt, prompt.shape[-1] + config.max_new_tokens + tree.num_nodes)
