@@ -1,4 +1,5 @@
-"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back."""
+"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back; the
+heads guess through an int8 copy of the LM head."""
 
 import copy
 
