@@ -1,8 +1,9 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
 For each of stock (MKL), packed (oneDNN, weights reordered once, stock below the rows where it stops paying; the
-heads guess through an int8 copy of the LM head), int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles where the CPU has them), the
-last two measured here and not offered by the library, side by side:
+heads guess through an int8 copy of the LM head), int8 (torch.ao dynamic quantization) and bf16 (the model in
+bfloat16: oneDNN AMX tiles where the CPU has them), the last two measured here and not offered by the library,
+side by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the

@@ -10,7 +10,8 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode
-from medusa_decoding.kernels import Int8Linear, PackedLinear, guess_projection, resolve_kernels, stock_kernels, use_kernels
+from medusa_decoding.kernels import (Int8Linear, PackedLinear, guess_projection, resolve_kernels, stock_kernels,
+                                     use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
