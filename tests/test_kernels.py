@@ -1,5 +1,5 @@
-"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back; the
-heads guess through an int8 copy of the LM head."""
+"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back; so
+does a compiled backbone; the heads guess through an int8 copy of the LM head."""
 
 import copy
 
@@ -46,6 +46,22 @@ def test_greedy_medusa_on_packed_kernels_equals_stock_generate(family):
     assert [t for step in steps for t in step] == reference
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
+    compiled = use_kernels(copy.deepcopy(model), "compiled")
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    steps = list(decode(compiled, random_heads(compiled), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
+    assert [t for step in steps for t in step] == reference
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 3  # prefill, trees, one token
+    assert isinstance(guess_projection(compiled), Int8Linear)
+    with stock_kernels(compiled):
+        assert compiled.base_model._compiled_call_impl is None  # transformers' own eager forward
+    assert compiled.base_model._compiled_call_impl is not None
+
+
 def test_stock_kernels_runs_stock_inside_and_packed_after():
     packed = packed_copy(lively_model("llama"))
     linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
@@ -58,6 +74,7 @@ def test_resolve_kernels():
     assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == "packed"
     assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
     assert resolve_kernels("stock", torch.device("cpu"), torch.float32) == "stock"
+    assert resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16) == "compiled"
     with pytest.raises(ValueError, match="float32 only"):
         resolve_kernels("packed", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="kernels must be one of"):
@@ -88,7 +105,7 @@ def test_int8_linear_approximates_its_float_layer(bias):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
-def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_packed_kernels_only(family):
+def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_packed_kernels(family):
     model = lively_model(family)
     assert guess_projection(model) is model.get_output_embeddings()
     packed = packed_copy(model)

@@ -24,7 +24,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "(default: fitted to this device from the heads' calibration, else their tree.json)")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
-                            help="linear-layer kernels: auto (packed oneDNN on a CPU in float32), stock, packed")
+                            help="kernels: auto (packed oneDNN on a CPU in float32, else stock), stock, packed, "
+                            "compiled (torch.compile: minutes of compiling first, then faster steps)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

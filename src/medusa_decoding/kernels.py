@@ -1,4 +1,4 @@
-"""Which matrix-multiply kernels the model's linear layers run: the CPU fast path for few-token passes.
+"""Which kernels run the model's few-token forward passes: the CPU fast path for MEDUSA steps.
 
 A MEDUSA step on a CPU is a forward pass over 2-16 tokens, where stock `F.linear` (MKL) is at its worst: it
 repacks the weight on every call, and on a 2-core AVX2 machine a SmolLM2 pass over 2 tokens costs 1.5x one over
@@ -11,8 +11,15 @@ tiles on a recent Xeon) is not the CPU default: its step latency is nearly flat 
 against stock 35 to 76), but greedy MEDUSA no longer equals greedy plain decoding (a 16-token pass rounds
 differently from a 1-token pass), so the output would depend on the tree.
 
+`compiled` runs the backbone through `torch.compile` (inductor, dynamic shapes: a graph for the prefill, one for
+every tree size, one for a single token; the packed weights do not lower through it, so its linears are the
+compiler's). It fuses what eager mode runs as hundreds of small ops per pass (norms, rotary, the tree mask):
+on a 2-core Xeon a SmolLM2 pass over 2 tokens cost 34.7 ms against packed 39.6 and a 1-token one 33.6, the
+same argmax as stock. Not the default: its first calls compile for 2-4 minutes on that CPU (less with inductor's
+on-disk cache), which only a long-running process (`medusa serve`, `medusa bench`) wins back.
+
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
-output stays the same. Under packed kernels they go through an int8 copy of the LM head (`Int8Linear`, one scale
+output stays the same. Under packed or compiled kernels they go through an int8 copy of the LM head (`Int8Linear`, one scale
 per row): a quarter of the bytes of the largest matrix, read once more every step for the guesses alone. With the
 shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the output and acceptance unchanged.
 Measured side by side: benchmarks/cpu_kernels.py and its results.
@@ -23,8 +30,8 @@ import contextlib
 import torch
 from torch import nn
 
-KERNELS = ("auto", "stock", "packed")
-GUESS_COPY = "int8"  # the LM head's submodule that the heads' guesses go through under packed kernels
+KERNELS = ("auto", "stock", "packed", "compiled")
+GUESS_COPY = "int8"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 
 
 class PackedLinear(nn.Linear):
@@ -67,33 +74,37 @@ class Int8Linear(nn.Module):
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: packed on a CPU in float32 where oneDNN exists, else stock."""
+    """auto: packed on a CPU in float32 where oneDNN exists, else stock. compiled runs anywhere."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
     if kernels == "auto":
         return "packed" if cpu_fp32 else "stock"
-    if kernels != "stock" and not cpu_fp32:
+    if kernels == "packed" and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
     return kernels
 
 
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
-    """Switches every nn.Linear of `model` (in place) to `kernels` ("packed" or "stock"); packed kernels also give
-    the LM head its int8 copy for the heads' guesses (`guess_projection`)."""
+    """Switches `model` (in place) to `kernels`: every nn.Linear to PackedLinear ("packed"), or the backbone through
+    `torch.compile` with dynamic shapes ("compiled": one graph for the prefill, one for every tree, one for a single
+    token). Both give the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
     if kernels == "packed":
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
             module.__class__ = PackedLinear
             module.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()),
                                    persistent=False)
-        lm_head = model.get_output_embeddings()
-        if isinstance(lm_head, PackedLinear) and not hasattr(lm_head, GUESS_COPY):
-            lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
+    if kernels == "compiled" and model.base_model._compiled_call_impl is None:
+        model.base_model.compile(dynamic=True)
+    lm_head = model.get_output_embeddings()
+    guessing = kernels != "stock" and lm_head.weight.device.type == "cpu" and lm_head.weight.dtype == torch.float32
+    if guessing and not hasattr(lm_head, GUESS_COPY):
+        lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
 
 
 def guess_projection(model: nn.Module) -> nn.Module:
-    """What the heads' guesses are projected through: the LM head's int8 copy where packed kernels made one, else
+    """What the heads' guesses are projected through: the LM head's int8 copy where use_kernels made one, else
     the LM head itself. The model's own logits always come from the LM head."""
     lm_head = model.get_output_embeddings()
     return getattr(lm_head, GUESS_COPY, lm_head)
@@ -101,12 +112,15 @@ def guess_projection(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def stock_kernels(model: nn.Module):
-    """Runs packed linears on stock kernels inside the block: the baseline of what `transformers` alone gives."""
+    """Runs packed linears on stock kernels and a compiled backbone eagerly inside the block: the baseline of what
+    `transformers` alone gives."""
     packed = [m for m in model.modules() if type(m) is PackedLinear]
+    compiled, model.base_model._compiled_call_impl = model.base_model._compiled_call_impl, None
     for module in packed:
         module.__class__ = nn.Linear
     try:
         yield model
     finally:
+        model.base_model._compiled_call_impl = compiled
         for module in packed:
             module.__class__ = PackedLinear

@@ -58,7 +58,7 @@ class MedusaModel:
         tree: Tree | None = None,
         kernels: str = "stock",
     ):
-        """kernels: what the model's linear layers run (kernels.py); anything but "stock" changes `model` in place."""
+        """kernels: what runs the model (kernels.py); anything but "stock" changes `model` in place."""
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
@@ -89,7 +89,8 @@ class MedusaModel:
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
             "auto": the tree fitted to this device from the heads' calibration (calibrate.auto_tree), else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (oneDNN with packed weights on a CPU in float32, else stock), "stock" or "packed".
+        kernels: "auto" (oneDNN with packed weights on a CPU in float32, else stock), "stock", "packed" or
+            "compiled" (the backbone through torch.compile: its first calls compile for minutes on a small CPU).
         """
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
