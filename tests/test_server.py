@@ -276,3 +276,23 @@ def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(ba
     assert events[-1] == "[DONE]"
     monkeypatch.undo()
     assert chat(client, PROMPTS[4]).usage.completion_tokens >= 1
+
+
+def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
+    """A second thread running torch work slows every thread's OpenMP workers (server.Engine): one thread only."""
+    from medusa_decoding import cli
+
+    threads = {}
+
+    def load(args):
+        threads["load"] = threading.current_thread()
+        return "the model"
+
+    def run(app, **options):
+        threads["app"] = app
+
+    monkeypatch.setattr(cli, "load", load)
+    monkeypatch.setattr(uvicorn, "run", run)
+    cli.main(["serve"])
+    assert threads["load"] is not threading.current_thread()
+    assert threads["load"].name.startswith("medusa-generate")  # the Engine's one worker, which generates too

@@ -160,10 +160,11 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     import uvicorn
 
-    from .server import create_app
+    from .server import Engine, create_app
 
-    medusa = load(args)
-    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name), host=args.host, port=args.port)
+    engine = Engine()
+    medusa = engine.load(lambda: load(args))  # on the thread that will run it (Engine says why)
+    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, engine), host=args.host, port=args.port)
 
 
 def cmd_distill(args) -> None:
