@@ -158,6 +158,8 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
+    for view in swept:  # compiled kernels compile a pass size on its first call: never on the clock
+        view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
     turns, sweep_outputs = [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)
