@@ -288,11 +288,8 @@ def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
         threads["load"] = threading.current_thread()
         return "the model"
 
-    def run(app, **options):
-        threads["app"] = app
-
     monkeypatch.setattr(cli, "load", load)
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
     cli.main(["serve"])
     assert threads["load"] is not threading.current_thread()
     assert threads["load"].name.startswith("medusa-generate")  # the Engine's one worker, which generates too

@@ -11,17 +11,18 @@ tiles on a recent Xeon) is not the CPU default: its step latency is nearly flat 
 against stock 35 to 76), but greedy MEDUSA no longer equals greedy plain decoding (a 16-token pass rounds
 differently from a 1-token pass), so the output would depend on the tree.
 
-`compiled` runs the backbone through `torch.compile` (inductor, dynamic shapes: a graph for the prefill, one for
-every tree size, one for a single token; the packed weights do not lower through it, so its linears are the
-compiler's). It fuses what eager mode runs as hundreds of small ops per pass (norms, rotary, the tree mask):
-on a 2-core Xeon a SmolLM2 pass over 2 tokens cost 34.7 ms against packed 39.6 and a 1-token one 33.6, the
-same argmax as stock. Not the default: its first calls compile for 2-4 minutes on that CPU (less with inductor's
-on-disk cache), which only a long-running process (`medusa serve`, `medusa bench`) wins back.
+`compiled` runs the backbone through `torch.compile` (inductor, dynamic shapes: a few graphs, for the prefill, the
+trees and a single token; the packed weights do not lower through it, so its linears are the compiler's). It
+fuses what eager mode runs as hundreds of small ops per pass (norms, rotary, the tree mask): on a 2-core Xeon a
+SmolLM2 pass over 2 tokens cost 34.7 ms against packed 39.6 and a 1-token one 33.6, the same argmax as stock.
+Not the default: its first calls compile for 2-4 minutes on that CPU (less with inductor's on-disk cache), which
+only a long-running process (`medusa serve`, `medusa bench`) wins back.
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
-output stays the same. Under packed or compiled kernels they go through an int8 copy of the LM head (`Int8Linear`, one scale
-per row): a quarter of the bytes of the largest matrix, read once more every step for the guesses alone. With the
-shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the output and acceptance unchanged.
+output stays the same. Under packed or compiled kernels they go through an int8 copy of the LM head (`Int8Linear`,
+one scale per row): a quarter of the bytes of the largest matrix, read once more every step for the guesses alone.
+With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the output and acceptance
+unchanged.
 Measured side by side: benchmarks/cpu_kernels.py and its results.
 """
 
@@ -87,8 +88,8 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
 
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     """Switches `model` (in place) to `kernels`: every nn.Linear to PackedLinear ("packed"), or the backbone through
-    `torch.compile` with dynamic shapes ("compiled": one graph for the prefill, one for every tree, one for a single
-    token). Both give the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
+    `torch.compile` with dynamic shapes ("compiled": a few graphs, for the prefill, the trees and a single token).
+    Both give the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
     if kernels == "packed":
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
             module.__class__ = PackedLinear
