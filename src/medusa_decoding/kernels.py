@@ -22,8 +22,7 @@ The heads' guesses need no such care: the float32 model verifies every one, so a
 output stays the same. Under packed or compiled kernels they go through an int8 copy of the LM head (`Int8Linear`,
 one scale per row): a quarter of the bytes of the largest matrix, read once more every step for the guesses alone.
 With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the output and acceptance
-unchanged.
-Measured side by side: benchmarks/cpu_kernels.py and its results.
+unchanged. Measured side by side: benchmarks/cpu_kernels.py and its results.
 """
 
 import contextlib
@@ -74,11 +73,15 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], -1)
 
 
+def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
+    return torch.device(device).type == "cpu" and dtype == torch.float32
+
+
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto: packed on a CPU in float32 where oneDNN exists, else stock. compiled runs anywhere."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    cpu_fp32 = torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+    cpu_fp32 = cpu_float32(device, dtype) and torch.backends.mkldnn.is_available()
     if kernels == "auto":
         return "packed" if cpu_fp32 else "stock"
     if kernels == "packed" and not cpu_fp32:
@@ -98,7 +101,7 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     if kernels == "compiled" and model.base_model._compiled_call_impl is None:
         model.base_model.compile(dynamic=True)
     lm_head = model.get_output_embeddings()
-    guessing = kernels != "stock" and lm_head.weight.device.type == "cpu" and lm_head.weight.dtype == torch.float32
+    guessing = kernels != "stock" and cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
     if guessing and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
