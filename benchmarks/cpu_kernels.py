@@ -1,7 +1,7 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
-For each of stock (MKL), packed (oneDNN, weights reordered once, stock below the rows where it stops paying; the
-heads guess through an int8 copy of the LM head), compiled (the backbone through torch.compile, dynamic shapes,
+For each of stock (MKL), native (the project's batch-invariant few-row kernel, csrc/linear.cpp; the heads guess
+through an int8 copy of the LM head), compiled (the backbone through torch.compile, dynamic shapes, native linears,
 the same int8 guesses), int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles
 where the CPU has them), the last two measured here and not offered by the library, side by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
@@ -26,8 +26,8 @@ from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "packed", "compiled", "int8", "bf16")
-SIZES = (0, 1, 3, 7, 15, 31, 63)  # candidates: passes over 1, 2, 4, 8, 16, 32, 64 tokens
+KERNELS = ("stock", "native", "compiled", "int8", "bf16")
+SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (7 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
@@ -41,7 +41,7 @@ def main() -> None:
 
     base = MedusaModel.from_pretrained(kernels="stock")
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
-              for name in ("stock", "packed", "compiled")}
+              for name in ("stock", "native", "compiled")}
     int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
     models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)  # not offered by the library: lossy
     bf16 = copy.deepcopy(base.model).bfloat16()

@@ -222,7 +222,7 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
-    assert record["setup"].endswith(", 1 thread, float32, packed kernels")
+    assert record["setup"].endswith(", 1 thread, float32, native kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
     tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
     assert tree.num_nodes == record["size"] + 1

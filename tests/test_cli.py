@@ -108,5 +108,5 @@ def test_demo_streams_and_compares_both_speeds(smollm):
     assert all(float(fast) > 0 and float(plain) > 0 and float(hf) > 0 for fast, _, plain, hf in speeds)
     assert re.search(r"^all prompts +\d+ +\d+\.\d +\d\.\d\d +\d+\.\d +\d+\.\d +\d+\.\d\dx +\d+\.\d\dx  yes$", out,
                      re.MULTILINE), out
-    assert "(--tree auto)" in out and "packed kernels" in out
+    assert "(--tree auto)" in out and "native kernels" in out
     assert ("untrained heads" in out) == (not heads_trained(smollm.heads))  # the same heads the demo loads

@@ -1,5 +1,5 @@
-"""The CPU kernels: packed oneDNN linears compute what stock ones do, keep MEDUSA lossless, and switch back; so
-does a compiled backbone; the heads guess through an int8 copy of the LM head."""
+"""The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
+and switch back; so does a compiled backbone; the heads guess through an int8 copy of the LM head."""
 
 import copy
 
@@ -10,8 +10,8 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode
-from medusa_decoding.kernels import (Int8Linear, PackedLinear, guess_projection, resolve_kernels, stock_kernels,
-                                     use_kernels)
+from medusa_decoding.kernels import (MAX_ROWS, Int8Linear, NativeLinear, guess_projection, load_native,
+                                     resolve_kernels, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -20,29 +20,42 @@ NEW_TOKENS = 48
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def packed_copy(model):
-    return use_kernels(copy.deepcopy(model), "packed")
+def native_copy(model):
+    return use_kernels(copy.deepcopy(model), "native")
 
 
-def test_packed_model_computes_the_stock_logits_and_keeps_its_state_dict(family):
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 64, 96), (7, 40, 7), (130, 576, 33)])
+def test_native_linear_is_batch_invariant_and_computes_x_wt(rows, in_features, out_features):
+    load_native()
+    torch.manual_seed(rows)
+    x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+    out = torch.ops.medusa.linear(x, w)  # any K (tails of 16 lanes), any N (tails of 4 rows)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
+    for m in range(rows):  # every row exactly as computed alone, and within any batch
+        assert torch.equal(torch.ops.medusa.linear(x[m : m + 1], w), out[m : m + 1])
+    assert torch.equal(torch.ops.medusa.linear(x[rows // 2 :], w), out[rows // 2 :])
+    assert torch.equal(torch.ops.medusa.linear(x.T.contiguous().T, w), out)  # strided input
+
+
+def test_native_model_computes_the_stock_logits_and_keeps_its_state_dict(family):
     model = lively_model(family)
-    packed = packed_copy(model)
-    assert any(isinstance(m, PackedLinear) for m in packed.modules())
+    native = native_copy(model)
+    assert any(isinstance(m, NativeLinear) for m in native.modules())
     with torch.no_grad():
-        expected, got = model(PROMPT[None]).logits, packed(PROMPT[None]).logits
+        expected, got = model(PROMPT[None]).logits, native(PROMPT[None]).logits
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    state, packed_state = model.state_dict(), packed.state_dict()
-    assert state.keys() == packed_state.keys()  # the packed weights are not saved
-    assert all(torch.equal(state[k], packed_state[k]) for k in state)
+    state, native_state = model.state_dict(), native.state_dict()
+    assert state.keys() == native_state.keys()
+    assert all(torch.equal(state[k], native_state[k]) for k in state)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_greedy_medusa_on_packed_kernels_equals_stock_generate(family):
+def test_greedy_medusa_on_native_kernels_equals_stock_generate(family):
     model = lively_model(family, seed=FAMILIES.index(family))
     reference = greedy_reference(model, PROMPT, NEW_TOKENS)  # stock kernels
-    packed = packed_copy(model)
+    native = native_copy(model)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    steps = list(decode(packed, random_heads(packed), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
+    steps = list(decode(native, random_heads(native), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
     assert [t for step in steps for t in step] == reference
 
 
@@ -62,34 +75,34 @@ def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
     assert compiled.base_model._compiled_call_impl is not None
 
 
-def test_stock_kernels_runs_stock_inside_and_packed_after():
-    packed = packed_copy(lively_model("llama"))
-    linears = [m for m in packed.modules() if isinstance(m, torch.nn.Linear)]
-    with stock_kernels(packed):
+def test_stock_kernels_runs_stock_inside_and_native_after():
+    native = native_copy(lively_model("llama"))
+    linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear)]
+    with stock_kernels(native):
         assert all(type(m) is torch.nn.Linear for m in linears)
-    assert all(type(m) is PackedLinear for m in linears)
+    assert all(type(m) is NativeLinear for m in linears)
 
 
 def test_resolve_kernels():
-    assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == "packed"
+    assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == "native"
     assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
     assert resolve_kernels("stock", torch.device("cpu"), torch.float32) == "stock"
     assert resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16) == "compiled"
     with pytest.raises(ValueError, match="float32 only"):
-        resolve_kernels("packed", torch.device("cpu"), torch.bfloat16)
+        resolve_kernels("native", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve_kernels("fast", torch.device("cpu"), torch.float32)
 
 
-def test_packed_linears_run_stock_below_min_rows():
-    packed = packed_copy(lively_model("llama"))
-    layer = next(m for m in packed.modules() if isinstance(m, PackedLinear))
-    layer.min_rows = 3
-    x = torch.randn(3, layer.in_features)
+@pytest.mark.parametrize("bias", [False, True])
+def test_native_linears_run_stock_above_max_rows(bias):
+    load_native()
+    layer = NativeLinear(48, 20, bias=bias)
+    x = torch.randn(MAX_ROWS + 1, 48)
     with torch.no_grad():
-        assert torch.equal(layer(x[:2]), torch.nn.functional.linear(x[:2], layer.weight, layer.bias))
-        expected = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-        assert torch.equal(layer(x), expected)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # a prefill
+        expected = torch.ops.medusa.linear(x[:MAX_ROWS], layer.weight) + (layer.bias if bias else 0)
+        assert torch.equal(layer(x[:MAX_ROWS].reshape(2, MAX_ROWS // 2, 48)).reshape(MAX_ROWS, 20), expected)
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -105,15 +118,15 @@ def test_int8_linear_approximates_its_float_layer(bias):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
-def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_packed_kernels(family):
+def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_native_kernels(family):
     model = lively_model(family)
     assert guess_projection(model) is model.get_output_embeddings()
-    packed = packed_copy(model)
-    guesses = guess_projection(packed)
-    assert isinstance(guesses, Int8Linear) and guesses is not packed.get_output_embeddings()
-    assert use_kernels(packed, "packed") is packed and guess_projection(packed) is guesses  # made once
+    native = native_copy(model)
+    guesses = guess_projection(native)
+    assert isinstance(guesses, Int8Linear) and guesses is not native.get_output_embeddings()
+    assert use_kernels(native, "native") is native and guess_projection(native) is guesses  # made once
     hidden = torch.randn(4, model.config.hidden_size)
     with torch.no_grad():
-        exact = packed.get_output_embeddings()(hidden)
+        exact = native.get_output_embeddings()(hidden)
         torch.testing.assert_close(exact, model.get_output_embeddings()(hidden), rtol=1e-4, atol=1e-4)  # float32 still
         assert (guesses(hidden).argmax(-1) == exact.argmax(-1)).all()

@@ -24,7 +24,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "(default: fitted to this device from the heads' calibration, else their tree.json)")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
-                            help="kernels: auto (packed oneDNN on a CPU in float32, else stock), stock, packed, "
+                            help="kernels: auto (native on a CPU in float32 where it builds, else stock), stock, "
+                            "native (batch-invariant few-token linears, built once per machine), "
                             "compiled (torch.compile: minutes of compiling first, then faster steps)")
 
 

@@ -1,53 +1,84 @@
 """Which kernels run the model's few-token forward passes: the CPU fast path for MEDUSA steps.
 
-A MEDUSA step on a CPU is a forward pass over 2-16 tokens, where stock `F.linear` (MKL) is at its worst: it
-repacks the weight on every call, and on a 2-core AVX2 machine a SmolLM2 pass over 2 tokens costs 1.5x one over
-1 token. oneDNN with each weight reordered once (`packed`) picks the same argmax as stock (logits within 1e-4)
-and runs 4-16 token passes 5-15% faster on a 2-core Xeon (up to 35% on a 2-core AMD EPYC); for 1-3 tokens the
-packed layers fall back to stock kernels, which were as fast or faster there. int8 dynamic quantization
-(`torch.ao`) halves the latency again but is not offered: on SmolLM2-135M its greedy output leaves the float32
-model's within the first few tokens (per-tensor or per-channel). bfloat16 (`dtype=torch.bfloat16`: oneDNN AMX
-tiles on a recent Xeon) is not the CPU default: its step latency is nearly flat from 1 to 16 tokens (40 to 50 ms,
-against stock 35 to 76), but greedy MEDUSA no longer equals greedy plain decoding (a 16-token pass rounds
-differently from a 1-token pass), so the output would depend on the tree.
+A MEDUSA step on a CPU is a forward pass over 2-16 tokens, where stock `F.linear` (MKL) is at its worst: below 4
+rows it streams the weights once, from 4 rows on it switches to a GEMM that costs 1.6x as much (SmolLM2's
+linears on a 2-core Xeon: 17.0 ms over 1 token, 28.0 over 4, 32.4 over 8). `native` runs every float32 linear of
+up to MAX_ROWS rows through the project's own kernel (`csrc/linear.cpp`, built once per machine): 16.0, 17.6 and
+20.0 ms there, and batch-invariant: a token's linears give it the same bits in a tree pass as alone (attention
+still rounds differently, ~1e-5 of a logit, as with stock kernels; greedy output is the same). It replaced
+oneDNN with packed weights (a 4-token step: packed 48.7 ms against stock 58.5; native 40.4 against 57.4). int8 dynamic quantization
+(`torch.ao`) is faster still but not offered: on SmolLM2-135M its greedy output leaves the float32 model's within
+the first few tokens. Neither is bfloat16 (oneDNN AMX tiles: nearly flat from 1 to 16 tokens, but a 16-token pass
+rounds differently from a 1-token pass, so the output would depend on the tree).
 
 `compiled` runs the backbone through `torch.compile` (inductor, dynamic shapes: a few graphs, for the prefill, the
-trees and a single token; the packed weights do not lower through it, so its linears are the compiler's). It
-fuses what eager mode runs as hundreds of small ops per pass (norms, rotary, the tree mask): on a 2-core Xeon a
-SmolLM2 pass over 2 tokens cost 34.7 ms against packed 39.6 and a 1-token one 33.6, the same argmax as stock.
-Not the default: its first calls compile for 2-4 minutes on that CPU (less with inductor's on-disk cache), which
-only a long-running process (`medusa serve`, `medusa bench`) wins back.
+trees and a single token), with native linears inside on a CPU in float32. It fuses what eager mode runs as
+hundreds of small ops per pass (norms, rotary, the tree mask). Not the default: its first calls compile for 2-4
+minutes on a 2-core CPU (less with inductor's on-disk cache), which only a long-running process (`medusa serve`,
+`medusa bench`) wins back.
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
-output stays the same. Under packed or compiled kernels they go through an int8 copy of the LM head (`Int8Linear`,
-one scale per row): a quarter of the bytes of the largest matrix, read once more every step for the guesses alone.
-With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the output and acceptance
-unchanged. Measured side by side: benchmarks/cpu_kernels.py and its results.
+output stays the same. Under native or compiled kernels on a CPU in float32 they go through an int8 copy of the LM
+head (`Int8Linear`, one scale per row): a quarter of the bytes of the largest matrix, read once more every step
+for the guesses alone. With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the
+output and acceptance unchanged. Measured side by side: benchmarks/cpu_kernels.py and its results.
 """
 
 import contextlib
+import functools
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
 
-KERNELS = ("auto", "stock", "packed", "compiled")
+KERNELS = ("auto", "stock", "native", "compiled")
+MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
+SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
 GUESS_COPY = "int8"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 
 
-class PackedLinear(nn.Linear):
-    """An nn.Linear that runs oneDNN on a copy of its weight reordered once (inference only), for inputs of at
-    least `min_rows` rows; below that stock kernels are as fast or faster (a SmolLM2 step over 1 and 2 tokens on
-    a 2-core Xeon: stock 34 and 41 ms, packed 41 and 49; over 4 and 8: stock 56 and 67, packed 50 and 56).
+ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # else the baseline
 
-    `weight` and `bias` stay as they are, so the state dict, tied embeddings and save_pretrained are unchanged.
-    """
 
-    min_rows = 4
+@functools.cache
+def load_native() -> None:
+    """Builds medusa::linear for this machine's vector width (once: torch caches the build) and loads it.
+    Raises RuntimeError where it cannot be built (no C++ compiler, no OpenMP)."""
+    from torch.utils.cpp_extension import get_default_build_root, load
+
+    isa = torch.backends.cpu.get_cpu_capability().lower()
+    name = f"medusa_linear_{isa}"
+    if not any(Path(get_default_build_root()).glob(f"*/{name}/{name}.so")):  # torch's layout: <python, cuda>/<name>
+        print("medusa: building the native CPU kernel for this machine (once, about 30 s)", file=sys.stderr)
+    try:
+        load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])],
+             extra_ldflags=["-fopenmp"], is_python_module=False)
+    except Exception as error:  # the compiler's own message says why
+        raise RuntimeError(f"kernels='native' could not build {SOURCE.name}: {error}") from error
+    torch.library.register_fake("medusa::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+
+
+@functools.cache
+def native_available() -> bool:
+    try:
+        load_native()
+    except RuntimeError as error:
+        print(f"medusa: stock kernels instead of native ones: {error}", file=sys.stderr)
+        return False
+    return True
+
+
+class NativeLinear(nn.Linear):
+    """An nn.Linear that runs medusa::linear on inputs of up to MAX_ROWS rows (a MEDUSA step) and stock kernels
+    above (a prefill). Parameters, tied embeddings, the state dict and save_pretrained are unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() < self.min_rows * self.in_features:
+        rows = x.numel() // x.shape[-1]
+        if rows > MAX_ROWS:
             return nn.functional.linear(x, self.weight, self.bias)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        out = torch.ops.medusa.linear(x.reshape(rows, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+        return out if self.bias is None else out + self.bias
 
 
 class Int8Linear(nn.Module):
@@ -78,31 +109,31 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: packed on a CPU in float32 where oneDNN exists, else stock. compiled runs anywhere."""
+    """auto: native on a CPU in float32 where it builds, else stock. compiled runs anywhere."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
-    cpu_fp32 = cpu_float32(device, dtype) and torch.backends.mkldnn.is_available()
+    cpu_fp32 = cpu_float32(device, dtype)
     if kernels == "auto":
-        return "packed" if cpu_fp32 else "stock"
-    if kernels == "packed" and not cpu_fp32:
+        return "native" if cpu_fp32 and native_available() else "stock"
+    if kernels == "native" and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
+    if kernels == "native":
+        load_native()
     return kernels
 
 
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
-    """Switches `model` (in place) to `kernels`: every nn.Linear to PackedLinear ("packed"), or the backbone through
-    `torch.compile` with dynamic shapes ("compiled": a few graphs, for the prefill, the trees and a single token).
-    Both give the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
-    if kernels == "packed":
+    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", and "compiled" on a CPU
+    in float32 where native builds), the backbone through `torch.compile` with dynamic shapes ("compiled"). Both give
+    the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
+    lm_head = model.get_output_embeddings()
+    cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
+    if kernels == "native" or (kernels == "compiled" and cpu_fp32 and native_available()):
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
-            module.__class__ = PackedLinear
-            module.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()),
-                                   persistent=False)
+            module.__class__ = NativeLinear
     if kernels == "compiled" and model.base_model._compiled_call_impl is None:
         model.base_model.compile(dynamic=True)
-    lm_head = model.get_output_embeddings()
-    guessing = kernels != "stock" and cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    if guessing and not hasattr(lm_head, GUESS_COPY):
+    if kernels != "stock" and cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
 
@@ -116,15 +147,15 @@ def guess_projection(model: nn.Module) -> nn.Module:
 
 @contextlib.contextmanager
 def stock_kernels(model: nn.Module):
-    """Runs packed linears on stock kernels and a compiled backbone eagerly inside the block: the baseline of what
+    """Runs native linears on stock kernels and a compiled backbone eagerly inside the block: the baseline of what
     `transformers` alone gives."""
-    packed = [m for m in model.modules() if type(m) is PackedLinear]
+    native = [m for m in model.modules() if type(m) is NativeLinear]
     compiled, model.base_model._compiled_call_impl = model.base_model._compiled_call_impl, None
-    for module in packed:
+    for module in native:
         module.__class__ = nn.Linear
     try:
         yield model
     finally:
         model.base_model._compiled_call_impl = compiled
-        for module in packed:
-            module.__class__ = PackedLinear
+        for module in native:
+            module.__class__ = NativeLinear

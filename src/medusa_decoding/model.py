@@ -89,7 +89,7 @@ class MedusaModel:
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
             "auto": the tree fitted to this device from the heads' calibration (calibrate.auto_tree), else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (oneDNN with packed weights on a CPU in float32, else stock), "stock", "packed" or
+        kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native" or
             "compiled" (the backbone through torch.compile: its first calls compile for minutes on a small CPU).
         """
         cuda = torch.cuda.is_available()
