@@ -26,6 +26,8 @@ output and acceptance unchanged. Measured side by side: benchmarks/cpu_kernels.p
 
 import contextlib
 import functools
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -47,6 +49,10 @@ def load_native() -> None:
     Raises RuntimeError where it cannot be built (no C++ compiler, no OpenMP)."""
     from torch.utils.cpp_extension import get_default_build_root, load
 
+    if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: the pip package's, outside an activated venv
+        import ninja
+
+        os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     isa = torch.backends.cpu.get_cpu_capability().lower()
     name = f"medusa_linear_{isa}"
     if not any(Path(get_default_build_root()).glob(f"*/{name}/{name}.so")):  # torch's layout: <python, cuda>/<name>
@@ -126,6 +132,8 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", and "compiled" on a CPU
     in float32 where native builds), the backbone through `torch.compile` with dynamic shapes ("compiled"). Both give
     the LM head of a float32 CPU model its int8 copy for the heads' guesses (`guess_projection`)."""
+    if kernels == "stock":
+        return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
     if kernels == "native" or (kernels == "compiled" and cpu_fp32 and native_available()):
@@ -133,7 +141,7 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
             module.__class__ = NativeLinear
     if kernels == "compiled" and model.base_model._compiled_call_impl is None:
         model.base_model.compile(dynamic=True)
-    if kernels != "stock" and cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
+    if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
 
