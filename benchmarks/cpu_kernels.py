@@ -28,7 +28,7 @@ from medusa_decoding.tree import Tree
 
 KERNELS = ("stock", "native", "compiled", "int8", "bf16")
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
-ROUNDS = 5  # each round times every size on every kernel (7 steps each), the kernels taking turns
+ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
 

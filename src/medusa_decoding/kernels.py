@@ -119,10 +119,8 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
     cpu_fp32 = cpu_float32(device, dtype)
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
-    if kernels == "native":
-        if not cpu_fp32:
-            raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
-        load_native()  # a clear error here where it cannot be built
+    if kernels == "native" and not cpu_fp32:
+        raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
     return kernels
 
 
@@ -135,6 +133,7 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
     if kernels == "native" or (kernels == "compiled" and cpu_fp32 and native_available()):
+        load_native()  # the op the layers call; where "native" was asked for and cannot be built, a clear error
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
             module.__class__ = NativeLinear
     if kernels == "compiled" and model.base_model._compiled_call_impl is None:
