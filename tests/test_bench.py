@@ -62,6 +62,13 @@ def test_report_schema(greedy):
     json.dumps(greedy)  # plain JSON all the way down
 
 
+def test_heads_accuracy_on_the_runs_answers(greedy):
+    accuracy = greedy["heads_accuracy"]  # one entry per head, top-5 holds top-1
+    assert len(accuracy["top1"]) == len(accuracy["top5"]) == 3
+    assert all(0 <= top1 <= top5 <= 1 for top1, top5 in zip(accuracy["top1"], accuracy["top5"]))
+    assert "top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"]) in table(greedy)
+
+
 def test_figures_agree(greedy):
     overall = greedy["overall"]
     assert overall["turns"] == 5 and len(greedy["turns"]) == 5
@@ -120,7 +127,7 @@ def test_sampling_lossless_is_null(tiny, questions):
 
 def test_table_and_plot(greedy, tmp_path):
     text = table(greedy)
-    assert "writing" in text and "coding" in text and text.splitlines()[-2].startswith("all")
+    assert "writing" in text and "coding" in text and text.splitlines()[-3].startswith("all")
     path = tmp_path / "bench.png"
     plot(greedy, path)
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
@@ -142,7 +149,11 @@ def test_prediction_rows_pair_the_calibration_model_with_measured_runs(predicted
     assert plain["predicted_tokens_per_step"] == 1 == plain["measured_tokens_per_step"]
     assert medusa["predicted_tokens_per_step"] == pytest.approx(1 + expected_acceptance(TREE, ACCURACY))
     assert medusa["measured_tokens_per_s"] == pytest.approx(predicted["overall"]["tokens_per_s"]["medusa"])
+    turns = predicted["turns"]  # the step latency is timed at the context the turns' steps saw on average
+    context = sum((t["prompt_tokens"] + t["plain"]["new_tokens"] / 2) * t["plain"]["new_tokens"] for t in turns)
+    context /= sum(t["plain"]["new_tokens"] for t in turns)
     for p in rows:
+        assert p["context"] == round(context) > max(t["prompt_tokens"] for t in turns) / 2
         assert p["step_latency_s"] > 0 and p["measured_tokens_per_s"] > 0
         assert p["predicted_tokens_per_s"] == pytest.approx(p["predicted_tokens_per_step"] / p["step_latency_s"])
         assert p["error"] == pytest.approx(p["measured_tokens_per_s"] / p["predicted_tokens_per_s"] - 1)

@@ -213,11 +213,13 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     random_heads(model, num_heads=2).save_pretrained(tmp_path / "heads")
-    data = tmp_path / "distilled.jsonl"
-    data.write_text("".join(json.dumps({"id": str(i), "conversations": [
+    records = [json.dumps({"id": str(i), "conversations": [
         {"from": "human", "value": ORACLE_CHAT[0]["content"]},
-        {"from": "gpt", "value": " ".join(f"w{(i + 5 * j) % 80}" for j in range(30))}]}) + "\n" for i in range(3)))
-    main(["calibrate", "--data", str(data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
+        {"from": "gpt", "value": " ".join(f"w{(i + 5 * j) % 80}" for j in range(30))}]}) + "\n" for i in range(3)]
+    data = [tmp_path / "distilled.jsonl", tmp_path / "more.jsonl"]  # several files, read in order
+    data[0].write_text("".join(records[:2]))
+    data[1].write_text(records[2])
+    main(["calibrate", "--data", *map(str, data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
           "--max-nodes", "5", "--output", str(tmp_path / "out")])
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
@@ -270,6 +272,14 @@ def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):
     (heads / "accuracy.json").write_text('{"accuracy": [[0.5, "x"]]}')
     with pytest.raises(ValueError, match="not a valid accuracy table"):
         MedusaModel.from_pretrained(base, heads)
+
+
+def test_cli_names_a_missing_data_file_before_loading_a_model(tmp_path, capsys):
+    present = tmp_path / "present.jsonl"
+    present.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}))
+    with pytest.raises(SystemExit):
+        main(["calibrate", "--data", str(present), str(tmp_path / "missing.jsonl"), "--heads", str(tmp_path / "no-heads")])
+    assert "missing.jsonl" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flag, value", [("--max-nodes", "0"), ("--max-positions", "-1"), ("--limit", "0")])

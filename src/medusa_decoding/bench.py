@@ -20,9 +20,10 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .calibrate import device_name, expected_acceptance, greedy_trees, measure_step_latency
+from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptance, greedy_trees, measure_accuracy,
+                        measure_step_latency)
 from .config import GenerationConfig
-from .decoding import PLAIN
+from .decoding import PLAIN, context_limit
 from .kernels import stock_kernels
 from .model import GenerationOutput, MedusaModel
 
@@ -160,7 +161,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
     for view in swept:  # compiled kernels compile a pass size on its first call: never on the clock
         view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
-    turns, sweep_outputs = [], [[] for _ in swept]
+    turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)
     for question in questions:
@@ -174,8 +175,10 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
                 outs.append(view.generate(ids, config=config))
             history.append({"role": "assistant", "content": outputs["plain"].text})
             bar.update()
+        conversations.append(history)
     bar.close()
     result = report(turns, config, medusa.model.device)
+    result["heads_accuracy"] = heads_accuracy(medusa, conversations, result["overall"]["new_tokens"])
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
                             num_heads=medusa.heads.config.num_heads,
                             tree=[list(path) for path in medusa.tree.paths])
@@ -183,16 +186,30 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         decoders = [(name, tree, [outputs[name] for *_, outputs in turns])
                     for name, tree in (("plain", PLAIN), ("medusa", medusa.tree))]
         decoders += [("sweep", view.tree, outs) for view, outs in zip(swept, sweep_outputs)]
-        result["prediction"] = predictions(medusa, accuracy, decoders)
+        result["prediction"] = predictions(medusa, accuracy, decoders, mean_context(turns))
     return result
 
 
-def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list) -> list[dict]:
-    """Predicted (calibration model: expected tokens per step / step latency measured now) vs measured speed.
+def heads_accuracy(medusa: MedusaModel, conversations: list[list[dict]], positions: int) -> dict:
+    """Each head's teacher-forced top-1 and top-5 accuracy on the run's own answers (the calibration's measure)."""
+    config = replace(CALIBRATION, top_k=5, max_positions=positions, max_length=context_limit(medusa.model))
+    accuracy = measure_accuracy(medusa, conversations, config)  # [K, 5]: rank i right
+    return {"top1": accuracy[:, 0].tolist(), "top5": accuracy.sum(1).tolist()}
+
+
+def mean_context(turns: list) -> int:
+    """The context a decoding step of these turns saw on average (prompt + half its answer, weighted by tokens)."""
+    lengths = [(prompt_len, len(outputs["plain"].token_ids)) for *_, prompt_len, outputs in turns]
+    return round(sum((prompt + new / 2) * new for prompt, new in lengths) / sum(new for _, new in lengths))
+
+
+def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list, context: int) -> list[dict]:
+    """Predicted (calibration model: expected tokens per step / step latency measured now at `context` tokens) vs
+    measured speed.
 
     decoders: (name, tree, outputs on every turn). Measured tokens/s counts the whole generation, prefill included.
     """
-    latencies = measure_step_latency(medusa, [tree for _, tree, _ in decoders])
+    latencies = measure_step_latency(medusa, [tree for _, tree, _ in decoders], replace(CALIBRATION, latency_prefix=context))
     rows = []
     for (name, tree, outputs), latency in zip(decoders, latencies):
         totals = Totals()
@@ -200,7 +217,7 @@ def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list) -> 
             totals.add(out)
         per_step = 1 + expected_acceptance(tree.paths, accuracy)
         predicted = per_step / latency
-        rows.append({"decoder": name, "tree_size": tree.num_nodes - 1, "step_latency_s": latency,
+        rows.append({"decoder": name, "tree_size": tree.num_nodes - 1, "step_latency_s": latency, "context": context,
                      "predicted_tokens_per_step": per_step,
                      "measured_tokens_per_step": ratio(totals.new_tokens, totals.steps),
                      "predicted_tokens_per_s": predicted, "measured_tokens_per_s": totals.tokens_per_s,
@@ -270,6 +287,9 @@ def table(report: dict) -> str:
                     f"{s['speedup']:>7.2f}x {s['speedup_vs_transformers']:>5.2f}x")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
+    accuracy = report["heads_accuracy"]
+    rows.append("heads on these answers (teacher-forced), top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"])
+                + "; top-5: " + " ".join(f"{a:.3f}" for a in accuracy["top5"]))
     if "prediction" in report:
         rows.append(f"\n{'decoder':<8} {'tree':>5} {'step ms':>8} {'tokens/step':>18} {'tokens/s':>18} {'error':>7}")
         rows.append(f"{'':<8} {'':>5} {'':>8} {'predicted measured':>18} {'predicted measured':>18}")

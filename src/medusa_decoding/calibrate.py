@@ -383,5 +383,5 @@ def plot_speed(plt, calibration: Calibration, device: str):
     more = latency.get_legend_handles_labels()
     axes.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4,
                 fontsize=8, frameon=False)
-    axes.set_title(f"tree size vs speed on {device}: (1 + expected acceptance) / step latency", fontsize=10)
+    axes.set_title(f"tree size vs speed on {device}\n(1 + expected acceptance) / step latency", fontsize=10)
     return figure

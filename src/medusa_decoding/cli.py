@@ -14,6 +14,7 @@ SERVER = ServerConfig()
 DISTILL = DistillConfig()
 TRAIN = TrainConfig()
 CALIBRATE = CalibrateConfig()
+DATA_HELP = "conversations: ShareGPT-style JSON/JSONL files, e.g. medusa distill's (several are read in order)"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, kernels: bool = True) -> None:
@@ -223,12 +224,11 @@ def cmd_bench(args) -> None:
 
 def cmd_calibrate(args) -> None:
     from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, save, setup
-    from .training.data import read_conversations
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
     config = CalibrateConfig(max_nodes=args.max_nodes, max_positions=args.max_positions)
-    conversations = read_conversations(args.data)[: args.limit]  # before the model loads: bad data fails at once
+    conversations = read_data(args.data)[: args.limit]  # before the model loads: bad data fails at once
     medusa = load(args)
     result = calibrate(medusa, conversations, config)
     print("accuracy a_k^(i): P(head k's rank-i token is correct)")
@@ -282,12 +282,18 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--merge", action="store_true", help="medusa2: also write the merged model to OUTPUT/model")
 
 
-def cmd_train(args) -> None:
+def read_data(paths: list[str]) -> list[list[dict]]:
+    """The conversations of every --data file, in order."""
     from .training.data import read_conversations
+
+    return [chat for path in paths for chat in read_conversations(path)]
+
+
+def cmd_train(args) -> None:
     from .training.train import load_backbone, train
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
-    conversations = read_conversations(args.data)  # before the model loads: bad data fails at once
+    conversations = read_data(args.data)  # before the model loads: bad data fails at once
     model, tokenizer = load_backbone(args.model, config)
     accuracy = train(model, tokenizer, conversations, args.output, config, init_heads=args.init_heads,
                      resume=args.resume, merge=args.merge)
@@ -344,7 +350,7 @@ def main(argv=None) -> None:
     p.set_defaults(run=cmd_distill)
 
     p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")
-    p.add_argument("--data", required=True, help="conversations: ShareGPT-style JSON/JSONL, e.g. medusa distill's")
+    p.add_argument("--data", required=True, nargs="+", help=DATA_HELP)
     p.add_argument("--output", required=True, help="directory for the heads, checkpoints/ and head_accuracy.json")
     add_model_arguments(p, heads=False, kernels=False)
     add_train_arguments(p)
@@ -369,7 +375,7 @@ def main(argv=None) -> None:
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("calibrate", help="measure head accuracy and step latency; write the fastest tree beside the heads")
-    p.add_argument("--data", required=True, help="conversations: ShareGPT-style JSON/JSONL, e.g. medusa distill's")
+    p.add_argument("--data", required=True, nargs="+", help=DATA_HELP)
     p.add_argument("--heads", required=True, help="MEDUSA heads directory")
     add_model_arguments(p, heads=False)
     p.add_argument("--max-nodes", type=int, default=CALIBRATE.max_nodes, help="largest tree tried (candidates)")
