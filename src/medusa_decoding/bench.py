@@ -352,5 +352,6 @@ def plot_speed(axes, rows: list[dict]) -> None:
     axes.set_xlabel("tree size (candidates; 0 = plain)")
     axes.set_ylabel("new tokens / s")
     axes.set_title("speed vs tree size")
-    axes.set_ylim(bottom=0)
-    axes.legend(fontsize=8)
+    top = max(max(p["predicted_tokens_per_s"], p["measured_tokens_per_s"]) for p in rows)
+    axes.set_ylim(0, 1.15 * top)  # headroom: the highest point is not cut by the frame
+    axes.legend(fontsize=8, loc="lower right")
