@@ -75,10 +75,10 @@ def main() -> None:
               "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
               "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
     print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
-    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "".join(f"{n + '/stock':>13}" for n in KERNELS[1:]))
+    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "".join(f"{n + '/stock':>15}" for n in KERNELS[1:]))
     for i, tokens in enumerate(record["tokens"]):
         ms = [1000 * latency[n][i] for n in KERNELS]
-        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + "".join(f"{m / ms[0]:>13.2f}" for m in ms[1:]))
+        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + "".join(f"{m / ms[0]:>15.2f}" for m in ms[1:]))
     for name in KERNELS:
         print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
               f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")
