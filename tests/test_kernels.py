@@ -1,5 +1,6 @@
 """The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
-and switch back; so does a compiled backbone; the heads guess through an int8 copy of the LM head."""
+and switch back; so does a compiled backbone; grouped-query attention over a tree reads the keys in place; the heads
+guess through an int8 copy of the LM head."""
 
 import copy
 
@@ -8,9 +9,10 @@ import torch
 from conftest import FAMILIES
 from engine_helpers import greedy_reference, lively_model, random_heads
 
+from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import decode
-from medusa_decoding.kernels import (MAX_ROWS, Int8Linear, NativeLinear, guess_projection, load_native,
+from medusa_decoding.decoding import decode, prefill, verify
+from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, guess_projection, load_native,
                                      resolve_kernels, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
@@ -78,9 +80,33 @@ def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
 def test_stock_kernels_runs_stock_inside_and_native_after():
     native = native_copy(lively_model("llama"))
     linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear)]
+    assert native.config._attn_implementation == GROUPED_SDPA
     with stock_kernels(native):
         assert all(type(m) is torch.nn.Linear for m in linears)
+        assert native.config._attn_implementation == "sdpa"
     assert all(type(m) is NativeLinear for m in linears)
+    assert native.config._attn_implementation == GROUPED_SDPA
+    assert use_kernels(lively_model("llama", attn="eager"), "native").config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])  # 4 query heads sharing 2 key/value heads
+def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, monkeypatch):
+    model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
+    tokens = torch.arange(tree.num_nodes) * 7 + 3  # root + candidates
+    fallbacks = []
+    transformers_sdpa = kernels.sdpa_attention_forward
+    monkeypatch.setattr(kernels, "sdpa_attention_forward",
+                        lambda module, query, *args, **kw: fallbacks.append(query.shape[2]) or transformers_sdpa(module, query, *args, **kw))
+
+    def tree_logits(attention: str) -> torch.Tensor:
+        model.set_attn_implementation(attention)
+        with torch.inference_mode():
+            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
+            return verify(model, cache, tokens, tree, len(PROMPT))[0]
+
+    grouped = tree_logits(GROUPED_SDPA)
+    assert tree.num_nodes not in fallbacks  # the tree pass took SDPA's grouped path, every layer
+    torch.testing.assert_close(grouped, tree_logits("sdpa"), rtol=1e-5, atol=1e-5)
 
 
 def test_resolve_kernels():
