@@ -93,10 +93,13 @@ def test_stock_kernels_runs_stock_inside_and_native_after():
 def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, monkeypatch):
     model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3  # root + candidates
-    fallbacks = []
-    transformers_sdpa = kernels.sdpa_attention_forward
-    monkeypatch.setattr(kernels, "sdpa_attention_forward",
-                        lambda module, query, *args, **kw: fallbacks.append(query.shape[2]) or transformers_sdpa(module, query, *args, **kw))
+    fallbacks, transformers_sdpa = [], kernels.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):  # the query lengths grouped_sdpa hands to transformers
+        fallbacks.append(query.shape[2])
+        return transformers_sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(kernels, "sdpa_attention_forward", counted)
 
     def tree_logits(attention: str) -> torch.Tensor:
         model.set_attn_implementation(attention)
