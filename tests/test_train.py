@@ -18,8 +18,8 @@ from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
 from medusa_decoding.training import train as train_module
 from medusa_decoding.training.train import (
-    MedusaTrainingModel, future_labels, greedy_labels, heads_loss, heads_weight, lm_agreement, load_backbone,
-    make_heads, prepare_backbone, train,
+    MedusaTrainingModel, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
+    prepare_backbone, train,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,38 +97,25 @@ def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
     assert (loss < 1e-6) if hit else (loss > 10)
 
 
-def kl_at_once(logits: torch.Tensor, original: torch.Tensor, target: torch.Tensor, k: int) -> torch.Tensor:
-    """Head k's mean KL(original at t+k+1 || head k at t) over its targets, written out position by position."""
-    terms = [torch.nn.functional.kl_div(logits[b, t].log_softmax(-1), original[b, t + k + 1], log_target=True,
-                                        reduction="sum") for b, t in (target != I).nonzero().tolist()]
-    return torch.stack(terms).mean()
-
-
-@pytest.mark.parametrize("head_loss", ["ce", "kl"])
-def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch, head_loss):
+def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
     """Chunks of 4 positions (logits recomputed in backward when training): the loss, gradients and hits of all
-    positions at once. kl: head k at t against the original's distribution at t+k+1, where x[t+k+2] is guessed."""
+    positions at once."""
     torch.manual_seed(0)
     heads = MedusaHeads(HeadsConfig(hidden_size=8, vocab_size=5, num_heads=3, projection="own"))  # some hits by chance
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.5)
     hidden, labels = torch.randn(2, 9, 8), torch.randint(0, 5, (2, 9))
     labels[0, :3], labels[1, 6:] = I, I  # a prompt, and padding
-    original = torch.randn(2, 9, 5).log_softmax(-1)  # the base model's next-token log-probabilities
-    teacher = original[future_labels(labels, 1) != I] if head_loss == "kl" else None
     logits = heads(hidden)  # [K, B, T, V]
     targets = [future_labels(labels, k + 2) for k in range(3)]
-    if head_loss == "ce":
-        at_once = sum(0.8 ** k * torch.nn.functional.cross_entropy(logits[k].flatten(0, 1), targets[k].flatten(),
-                                                                    ignore_index=I) for k in range(3))
-    else:
-        at_once = sum(0.8 ** k * kl_at_once(logits[k], original, targets[k], k) for k in range(3))
+    at_once = sum(0.8 ** k * torch.nn.functional.cross_entropy(logits[k].flatten(0, 1), targets[k].flatten(),
+                                                                ignore_index=I) for k in range(3))
     top1 = torch.stack([((logits[k].argmax(-1) == targets[k]) & (targets[k] != I)).sum(-1) for k in range(3)], 1)
     monkeypatch.setattr(train_module, "LOSS_CHUNK", 4)
-    loss, none = heads_loss(heads, None, hidden, labels, decay=0.8, teacher=teacher)
+    loss, none = heads_loss(heads, None, hidden, labels, decay=0.8)
     assert none is None  # training reads no hits
     with torch.no_grad():
-        evaluated, hits = heads_loss(heads, None, hidden, labels, decay=0.8, teacher=teacher)
+        evaluated, hits = heads_loss(heads, None, hidden, labels, decay=0.8)
     torch.testing.assert_close(evaluated, at_once.detach())
     for chunked, whole in zip(torch.autograd.grad(loss, list(heads.parameters())),
                               torch.autograd.grad(at_once, list(heads.parameters()))):
@@ -136,23 +123,6 @@ def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch, head_loss):
     torch.testing.assert_close(loss, at_once)
     assert hits[..., 0].tolist() == top1.tolist() and hits[..., 0].sum() > 0
     assert hits[..., 2].tolist() == [[(t[b] != I).sum().item() for t in targets] for b in range(2)]
-
-
-def test_greedy_labels_are_the_original_models_argmax_before_each_label(tokenizer):
-    labels = torch.tensor([[I, I, 5, 6, I], [I, 7, I, I, I]])
-    teacher = torch.eye(4)[[2, 0, 3]].log_softmax(-1)  # rows: positions (0, 1), (0, 2), (1, 0)
-    assert greedy_labels(labels, teacher).tolist() == [[I, I, 2, 0, I], [I, 3, I, I, I]]
-    config = TrainConfig(num_heads=2, head_loss="argmax")
-    model = model_for(tokenizer)
-    batch = collate(build_examples(tokenizer, counting(3), 64), pad_id=0)
-    wrapper = MedusaTrainingModel(prepare_backbone(model, config), make_heads(model, config, None), config)
-    with torch.no_grad():
-        hidden = wrapper.hidden_states(batch["input_ids"], batch["attention_mask"])
-        teacher = wrapper.next_token_log_probs(model.get_output_embeddings(), hidden, batch["input_ids"],
-                                               batch["attention_mask"], batch["labels"])
-        argmax = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits.argmax(-1)
-    answer = batch["labels"] != I
-    assert torch.equal(greedy_labels(batch["labels"], teacher)[answer], argmax[:, :-1][answer[:, 1:]])
 
 
 def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():
@@ -204,9 +174,8 @@ def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_or
     ids, mask = batch["input_ids"], batch["attention_mask"]
 
     def kl() -> float:
-        hidden, lm_head = wrapper.hidden_states(ids, mask), wrapper.causal_lm.get_output_embeddings()
-        teacher = wrapper.next_token_log_probs(lm_head, hidden, ids, mask, batch["labels"])
-        return wrapper.lm_loss(lm_head, hidden, batch["labels"], teacher).item()
+        hidden = wrapper.hidden_states(ids, mask)
+        return wrapper.lm_loss(wrapper.causal_lm.get_output_embeddings(), hidden, ids, mask, batch["labels"]).item()
 
     assert kl() == 0.0  # LoRA B = 0: the student is the original
     examples = build_examples(tokenizer, counting(4), 64)

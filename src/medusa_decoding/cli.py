@@ -6,7 +6,7 @@ import sys
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
-from .config import HEAD_LOSSES, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
+from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
 from .kernels import KERNELS
 
 DEFAULTS = GenerationConfig()
@@ -266,9 +266,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--max-length", type=int, default=TRAIN.max_length, help="tokens per conversation (longer ones are cut)")
     add("--warmup-steps", type=int, default=TRAIN.warmup_steps)
     add("--decay", type=float, default=TRAIN.decay, help="head k's loss weight is decay**k")
-    add("--head-loss", choices=HEAD_LOSSES, default=TRAIN.head_loss,
-        help="ce to the data's tokens; argmax: ce to the base model's greedy choice of them (teacher-forced); "
-             "kl to the base model's distribution of them")
     add("--lambda0", type=float, default=TRAIN.lambda0, help="medusa2: loss = L_LM + lambda0 * L_heads")
     add("--lm-loss", choices=LM_LOSSES, default=TRAIN.lm_loss,
         help="medusa2 backbone term: kl to the original model (self-distilled data) or ce to the data")

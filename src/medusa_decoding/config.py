@@ -87,7 +87,6 @@ class DistillConfig:
 
 TRAIN_MODES = ("medusa1", "medusa2")
 LM_LOSSES = ("kl", "ce")
-HEAD_LOSSES = ("ce", "argmax", "kl")
 QUANTIZATIONS = ("8bit", "4bit")
 
 
@@ -109,7 +108,6 @@ class TrainConfig:
     warmup_steps: int = 50  # learning-rate warm-up, and MEDUSA-2's sine ramp of lambda0 without --init-heads
     scheduler: str = "cosine"
     decay: float = 0.8  # head k's loss weight is decay**k
-    head_loss: str = "ce"  # CE to the data's tokens, to the original model's argmax, or KL to its distribution
     lambda0: float = 0.2  # MEDUSA-2: loss = L_LM + lambda0 * L_heads
     lm_loss: str = "kl"  # MEDUSA-2 backbone term: KL to the original model (self-distilled data) or CE
     lora_r: int = 32
@@ -124,8 +122,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        choices = {"mode": TRAIN_MODES, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "head_loss": HEAD_LOSSES,
-                   "quantize": QUANTIZATIONS + (None,)}
+        choices = {"mode": TRAIN_MODES, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")

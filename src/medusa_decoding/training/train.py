@@ -4,9 +4,6 @@ The hidden state at position t feeds the LM head, which predicts token t+1, and 
 which predicts token t+k+2. Losses count only targets that are assistant tokens:
 
     MEDUSA-1  L_heads = sum_k decay^k CE(head k at t, x[t+k+2])     backbone frozen, no gradient through it
-              head_loss "argmax": CE to the original model's argmax of x[t+k+2] given x[..t+k+1] (teacher-forced),
-              the token greedy verification accepts, not the one the data happened to sample; "kl":
-              sum_k decay^k KL(original(x[t+k+2] | x[..t+k+1]) || head k at t), its whole distribution.
     MEDUSA-2  L_LM + lambda * L_heads                               LoRA on every linear layer, lm_head included
               L_LM = KL(original || adapted) of the next-token distribution (self-distilled data; the
               original is the same network with its adapter disabled, no second copy) or CE to the data.
@@ -48,11 +45,9 @@ def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
 
 
-def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
-               teacher: torch.Tensor | None = None):
-    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean loss_k, hits [B, K, 3]: top-1, top-5, targets;
-    None while training, when nothing reads them). loss_k: CE to the data's token or, given the teacher
-    (`next_token_log_probs`: the original model's [M, V] at each position whose next token is a label), KL to it.
+def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float):
+    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets;
+    None while training, when nothing reads them).
 
     The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
     positions at a time, their logits recomputed in the backward pass: K x N x V logits at once cost gigabytes
@@ -61,26 +56,19 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, lab
     num_heads = heads.config.num_heads
     targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
     keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
-    rows = teacher_rows(labels, keep, num_heads) if teacher is not None else torch.zeros_like(targets[:, keep])
     targets = targets[:, keep]  # [K, N]
     weights = decay ** torch.arange(num_heads, device=hidden.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
-    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), rows.split(LOSS_CHUNK, dim=1)))
-
-    def chunk_loss(logits, chunk_targets, chunk_rows):
-        if teacher is None:
-            return weighted_ce(logits, chunk_targets, weights)
-        return weighted_kl(logits, teacher[chunk_rows], chunk_targets != IGNORE_INDEX, weights)
-
+    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1)))
     loss = hidden.new_zeros((), dtype=torch.float32)
     if torch.is_grad_enabled():
-        def recomputed(chunk_hidden, chunk_targets, chunk_rows):
-            return chunk_loss(heads(chunk_hidden, lm_head), chunk_targets, chunk_rows)
+        def chunk_loss(chunk_hidden, chunk_targets):
+            return weighted_ce(heads(chunk_hidden, lm_head), chunk_targets, weights)
 
-        return loss + sum(checkpoint(recomputed, *chunk, use_reentrant=False) for chunk in chunks), None
+        return loss + sum(checkpoint(chunk_loss, h, t, use_reentrant=False) for h, t in chunks), None
     hits = [targets.new_zeros(num_heads, 0, 3)]  # [K, n, 3] per chunk, joined once
-    for chunk_hidden, chunk_targets, chunk_rows in chunks:
+    for chunk_hidden, chunk_targets in chunks:
         logits = heads(chunk_hidden, lm_head)
-        loss = loss + chunk_loss(logits, chunk_targets, chunk_rows)
+        loss = loss + weighted_ce(logits, chunk_targets, weights)
         hits.append(head_hits(logits, chunk_targets))
     hits = torch.cat(hits, 1)  # [K, N, 3]
     rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
@@ -91,29 +79,6 @@ def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tens
     """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk."""
     losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     return (losses.sum(-1) * weights).sum()
-
-
-def weighted_kl(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [K, n, V], teacher log-probabilities [K, n, V], valid [K, n] -> sum_k weights_k * KL(teacher || head k)
-    summed over the chunk's valid positions."""
-    kl = F.kl_div(logits.float().log_softmax(-1), teacher, log_target=True, reduction="none").sum(-1)
-    return ((kl * valid).sum(-1) * weights).sum()
-
-
-def teacher_rows(labels: torch.Tensor, keep: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[K, N]: for head k at each kept position t, the row of `next_token_log_probs` at position t+k+1, whose
-    next token head k guesses (meaningless where head k has no target; masked out)."""
-    row = (future_labels(labels, 1) != IGNORE_INDEX).flatten().cumsum(0) - 1  # [B * T]: flat position -> row
-    ahead = keep.flatten().nonzero()[:, 0] + torch.arange(1, num_heads + 1, device=labels.device)[:, None]
-    return row[ahead.clamp(max=row.numel() - 1)].clamp(min=0)  # ahead: flat t+k+1, past the end only if no target
-
-
-def greedy_labels(labels: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """labels [B, T] with every label replaced by the original model's argmax there, given the tokens before it
-    (teacher [M, V], `next_token_log_probs`: its rows are the positions before each label)."""
-    greedy = labels.clone()
-    greedy[:, 1:][labels[:, 1:] != IGNORE_INDEX] = teacher.argmax(-1)
-    return greedy
 
 
 def head_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -148,28 +113,13 @@ class MedusaTrainingModel(nn.Module):
         with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
             hidden = self.hidden_states(input_ids, attention_mask)
         lm_head = self.causal_lm.get_output_embeddings()
-        config = self.train_config
-        needs_teacher = config.head_loss != "ce" or (self.adapted and config.lm_loss == "kl")
-        teacher = self.next_token_log_probs(lm_head, hidden, input_ids, attention_mask, labels) if needs_teacher else None
-        head_labels = greedy_labels(labels, teacher) if config.head_loss == "argmax" else labels
-        loss, hits = heads_loss(self.heads, lm_head, hidden, head_labels, config.decay,
-                                teacher if config.head_loss == "kl" else None)
+        loss, hits = heads_loss(self.heads, lm_head, hidden, labels, self.train_config.decay)
         loss = heads_weight * loss
         if self.adapted:
-            loss = loss + self.lm_loss(lm_head, hidden, labels, teacher)
+            loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
         return {"loss": loss} if hits is None else {"loss": loss, "head_hits": hits}
 
-    @torch.no_grad()
-    def next_token_log_probs(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
-        """The original model's next-token log-probabilities [M, V] at every position whose next token is a
-        label, in order: the KL losses' target. MEDUSA-2's original is the same network with its adapter disabled."""
-        keep = future_labels(labels, 1) != IGNORE_INDEX
-        if not self.adapted:
-            return lm_head(hidden[keep]).float().log_softmax(-1)
-        with self.backbone.disable_adapter():
-            return lm_head(self.hidden_states(input_ids, attention_mask)[keep]).float().log_softmax(-1)
-
-    def lm_loss(self, lm_head, hidden, labels, teacher: torch.Tensor | None) -> torch.Tensor:
+    def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
         """MEDUSA-2's backbone term at every position whose next token is an answer token."""
         targets = future_labels(labels, 1)
         keep = targets != IGNORE_INDEX
@@ -177,7 +127,10 @@ class MedusaTrainingModel(nn.Module):
         count = keep.sum().clamp(min=1)
         if self.train_config.lm_loss == "ce":
             return F.cross_entropy(logits, targets[keep], reduction="sum") / count
-        return F.kl_div(logits.log_softmax(-1), teacher, log_target=True, reduction="sum") / count
+        with torch.no_grad(), self.backbone.disable_adapter():
+            original = lm_head(self.hidden_states(input_ids, attention_mask)[keep]).float()
+        kl = F.kl_div(logits.log_softmax(-1), original.log_softmax(-1), log_target=True, reduction="sum")
+        return kl / count
 
     def train(self, mode: bool = True) -> "MedusaTrainingModel":
         super().train(mode)
