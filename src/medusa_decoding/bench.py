@@ -24,7 +24,7 @@ from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptanc
                         measure_step_latency)
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
-from .kernels import stock_kernels
+from .kernels import MAX_ROWS, stock_kernels
 from .model import GenerationOutput, MedusaModel
 
 DECODERS = ("medusa", "plain", "transformers")
@@ -156,7 +156,9 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     if sweep and accuracy is None:
         raise ValueError("sweep: needs the heads' accuracy table (run medusa calibrate on them)")
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
-    answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
+    # compiled kernels: a prefill over more than MAX_ROWS tokens (stock linears) compiles a graph of its own
+    for ids in (warmup, warmup.repeat(MAX_ROWS // len(warmup) + 1)):
+        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
     for view in swept:  # compiled kernels compile a pass size on its first call: never on the clock
