@@ -12,7 +12,9 @@ from engine_helpers import lively_model, random_heads
 
 from medusa_decoding import GenerationConfig, MedusaModel, Tree
 from medusa_decoding.acceptance import RULES
+from medusa_decoding import bench as bench_module
 from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
+from medusa_decoding.kernels import MAX_ROWS
 from medusa_decoding.calibrate import expected_acceptance
 from medusa_decoding.cli import main
 
@@ -112,6 +114,21 @@ def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
     monkeypatch.setitem(RULES, "greedy", accept_a_whole_leaf_path)
     report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
     assert report["lossless"] is False
+
+
+def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monkeypatch):
+    """Compiled kernels compile a prefill over more than MAX_ROWS tokens as a graph of its own: the warm-up must
+    run one, or the first long turn times a minute of compiling."""
+    prompts, original = [], bench_module.run_decoder
+
+    def recording(name, medusa, ids, config):
+        prompts.append(len(ids))
+        return original(name, medusa, ids, config)
+
+    monkeypatch.setattr(bench_module, "run_decoder", recording)
+    benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    timed = len(DECODERS) * len(questions[0].turns)
+    assert max(prompts[:-timed]) > MAX_ROWS
 
 
 def test_typical_at_temperature_zero_is_checked(tiny, questions):
