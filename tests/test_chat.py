@@ -2,6 +2,7 @@
 
 import os
 import re
+import signal
 import sys
 
 import pexpect
@@ -16,10 +17,17 @@ ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 STATS = re.compile(r"(\d+) tokens in (\d+) forward passes: acceleration ([\d.]+) tokens/pass, ([\d.]+) tokens/s")
 
 
+def restore_ctrl_c() -> None:
+    """Ctrl-C as a terminal gives it: a runner started as a background job ignores SIGINT, its children inherit
+    that, and Python then never raises KeyboardInterrupt (the Ctrl-C test hung in such a CI run)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def spawn_chat() -> pexpect.spawn:
     env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
     args = ["-m", "medusa_decoding.cli", "chat", "--max-new-tokens", str(MAX_NEW_TOKENS)]
-    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=TIMEOUT_S)
+    child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=TIMEOUT_S,
+                          preexec_fn=restore_ctrl_c)
     child.expect_exact(USER_PROMPT)
     return child
 
