@@ -11,12 +11,12 @@ from conftest import tiny_model, tiny_tokenizer
 from engine_helpers import lively_model, random_heads
 
 from medusa_decoding import GenerationConfig, MedusaModel, Tree
-from medusa_decoding.acceptance import RULES
 from medusa_decoding import bench as bench_module
+from medusa_decoding.acceptance import RULES
 from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
-from medusa_decoding.kernels import MAX_ROWS
 from medusa_decoding.calibrate import expected_acceptance
 from medusa_decoding.cli import main
+from medusa_decoding.kernels import MAX_ROWS
 
 TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
 TOKENS = 12
