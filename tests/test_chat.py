@@ -1,5 +1,6 @@
 """`medusa chat` driven through a real terminal (pty): history, /stats, /reset, Ctrl-D and Ctrl-C."""
 
+import json
 import os
 import re
 import signal
@@ -23,9 +24,9 @@ def restore_ctrl_c() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def spawn_chat() -> pexpect.spawn:
+def spawn_chat(tree: str = "auto") -> pexpect.spawn:
     env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
-    args = ["-m", "medusa_decoding.cli", "chat", "--max-new-tokens", str(MAX_NEW_TOKENS)]
+    args = ["-m", "medusa_decoding.cli", "chat", "--max-new-tokens", str(MAX_NEW_TOKENS), "--tree", tree]
     child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=TIMEOUT_S,
                           preexec_fn=restore_ctrl_c)
     child.expect_exact(USER_PROMPT)
@@ -51,7 +52,7 @@ def user(text: str) -> dict[str, str]:
 
 
 def test_two_turns_share_history_stats_count_every_pass_reset_forgets_and_ctrl_d_exits(smollm, one_thread):
-    child = spawn_chat()
+    child = spawn_chat(json.dumps(smollm.tree.paths))  # `auto` fits a tree per thread count: the child has 1
     first = streamed_answer(say(child, FIRST))
     second = streamed_answer(say(child, SECOND))
     stats = STATS.fullmatch(say(child, "/stats").strip())

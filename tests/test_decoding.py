@@ -19,7 +19,7 @@ from medusa_decoding import MedusaModel, decoding
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
-from medusa_decoding.kernels import stock_kernels
+from medusa_decoding.kernels import reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
 
 ATTENTION = ("sdpa", "eager")
@@ -216,7 +216,8 @@ def test_preallocated_cache_appends_in_place(family):
 @pytest.fixture(scope="module")
 def smol_reference(smollm):
     ids = smollm.encode(SMOL_PROMPT)
-    assert smollm.kernels == "native"  # the CPU default; the reference runs what transformers alone runs
+    assert smollm.kernels == "native" and reads_blocks(smollm.model)  # the CPU default, on the GGUF's own blocks;
+    # the reference runs what transformers alone runs
     with torch.no_grad(), stock_kernels(smollm.model):
         out = smollm.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False, max_new_tokens=NEW_TOKENS)
     return ids, out[0, len(ids):].tolist()

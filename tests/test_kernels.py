@@ -1,6 +1,7 @@
 """The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
-and switch back; so does a compiled backbone; grouped-query attention over a tree reads the keys in place; the heads
-guess through an int8 copy of the LM head."""
+and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits; so does a compiled
+backbone; grouped-query attention over a tree reads the keys in place; the heads guess through an int8 copy of the LM
+head."""
 
 import copy
 
@@ -12,8 +13,8 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
-from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, guess_projection, load_native,
-                                     resolve_kernels, stock_kernels, use_kernels)
+from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, block_codes, guess_projection,
+                                     load_native, reads_blocks, resolve_kernels, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -37,6 +38,68 @@ def test_native_linear_is_batch_invariant_and_computes_x_wt(rows, in_features, o
         assert torch.equal(torch.ops.medusa.linear(x[m : m + 1], w), out[m : m + 1])
     assert torch.equal(torch.ops.medusa.linear(x[rows // 2 :], w), out[rows // 2 :])
     assert torch.equal(torch.ops.medusa.linear(x.T.contiguous().T, w), out)  # strided input
+
+
+def gguf_exact(weight: torch.Tensor, qtype: str) -> torch.Tensor:
+    """The weight as a GGUF file of `qtype` holds it: quantized and dequantized by the `gguf` package itself."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    return torch.from_numpy(quants.dequantize(quants.quantize(weight.detach().numpy(), kind), kind))
+
+
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
+def test_gguf_blocks_are_read_to_the_same_bits(qtype, bits):
+    load_native()
+    torch.manual_seed(bits)
+    weight = torch.randn(37, 96)  # 37 rows: a tail tile
+    weight[3] = 0  # blocks of zeros (d = 0) and a constant block
+    weight[5, 32:64] = 0.25
+    weight = gguf_exact(weight, qtype)
+    codes, scales = block_codes(weight)
+    assert codes.dtype == torch.uint8 and codes.shape == (37, 96 * bits // 8) and scales.shape == (37, 3, 2)
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 96)
+        assert torch.equal(torch.ops.medusa.linear_blocks(x, codes, scales, bits), torch.ops.medusa.linear(x, weight))
+
+
+def test_weights_that_are_not_exact_blocks_keep_float32():
+    weight = gguf_exact(torch.randn(8, 64), "Q4_1")
+    assert block_codes(weight) is not None
+    weight[5, 17] = torch.nextafter(weight[5, 17], torch.tensor(1.0))  # one weight an ulp off its block's grid
+    assert block_codes(weight) is None
+    assert block_codes(torch.randn(8, 64)) is None  # weights never quantized
+    assert block_codes(gguf_exact(torch.randn(8, 64), "Q8_0").bfloat16()) is None  # float32 only
+    assert block_codes(torch.zeros(8, 48)) is None  # rows not made of whole blocks
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(family):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    with torch.no_grad():  # as the embedded default: linears Q4_1, the tied embedding Q8_0
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 2:
+                parameter.copy_(gguf_exact(parameter, "Q8_0" if "embed" in name else "Q4_1"))
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
+    native = native_copy(model)
+    linears = [m for m in native.modules() if isinstance(m, NativeLinear)]
+    assert linears and all(hasattr(m, "codes") for m in linears) and reads_blocks(native) and not reads_blocks(model)
+    assert native.state_dict().keys() == model.state_dict().keys()  # the codes are not saved
+    steps = list(decode(native, random_heads(native), PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS),
+                        Tree.from_spec(DEFAULT_TREE)))
+    assert [t for step in steps for t in step] == reference
+    tree = Tree.from_spec(DEFAULT_TREE)
+    tokens = torch.arange(tree.num_nodes) * 7 + 3
+
+    def tree_logits(medusa_model) -> torch.Tensor:
+        with torch.inference_mode():
+            cache, _, _ = prefill(medusa_model, PROMPT, len(PROMPT) + tree.num_nodes)
+            return verify(medusa_model, cache, tokens, tree, len(PROMPT))[0]
+
+    on_blocks = tree_logits(native)
+    for module in linears:
+        del module.codes, module.scales
+    assert torch.equal(on_blocks, tree_logits(native))  # float32 weights: the very same bits
 
 
 def test_native_model_computes_the_stock_logits_and_keeps_its_state_dict(family):

@@ -27,7 +27,7 @@ from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
 from .decoding import context_limit, prefill, propose, verify
 from .default_model import cache_root
-from .kernels import guess_projection
+from .kernels import guess_projection, reads_blocks
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -228,8 +228,9 @@ def device_name(device: torch.device) -> str:
 
 
 def setup(medusa) -> str:
-    """What a step latency holds for: the device, the model's dtype and its kernels."""
-    return f"{device_name(medusa.model.device)}, {str(medusa.model.dtype).removeprefix('torch.')}, {medusa.kernels} kernels"
+    """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks)."""
+    dtype, blocks = str(medusa.model.dtype).removeprefix("torch."), " on GGUF blocks" if reads_blocks(medusa.model) else ""
+    return f"{device_name(medusa.model.device)}, {dtype}, {medusa.kernels} kernels{blocks}"
 
 
 def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
