@@ -1,7 +1,8 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
-For each of stock (MKL), native (the project's batch-invariant few-row kernel, csrc/linear.cpp; the heads guess
-through an int8 copy of the LM head), compiled (the backbone through torch.compile, dynamic shapes, native linears,
+For each of stock (MKL), native (the project's batch-invariant few-row kernel, csrc/linear.cpp, reading the GGUF's
+Q4_1/Q8_0 blocks; the heads guess through an int8 copy of the LM head), native-float32 (the same kernel on the
+float32 weights, as before it read blocks), compiled (the backbone through torch.compile, dynamic shapes, native linears,
 the same int8 guesses), int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles
 where the CPU has them), the last two measured here and not offered by the library, side by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
@@ -26,7 +27,7 @@ from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "native", "compiled", "int8", "bf16")
+KERNELS = ("stock", "native", "native-float32", "compiled", "int8", "bf16")
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
@@ -42,6 +43,10 @@ def main() -> None:
     base = MedusaModel.from_pretrained(kernels="stock")
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
               for name in ("stock", "native", "compiled")}
+    models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
+    for module in models["native-float32"].model.modules():
+        if hasattr(module, "codes"):  # no GGUF blocks: the kernel reads the float32 weights
+            del module.codes, module.scales
     int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
     models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)  # not offered by the library: lossy
     bf16 = copy.deepcopy(base.model).bfloat16()
@@ -75,10 +80,10 @@ def main() -> None:
               "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
               "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
     print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
-    print(f"{'tokens':>7}" + "".join(f"{n:>9}" for n in KERNELS) + "".join(f"{n + '/stock':>15}" for n in KERNELS[1:]))
+    print(f"{'tokens':>7}" + "".join(f"{n:>16}" for n in KERNELS) + "".join(f"{n + '/stock':>22}" for n in KERNELS[1:]))
     for i, tokens in enumerate(record["tokens"]):
         ms = [1000 * latency[n][i] for n in KERNELS]
-        print(f"{tokens:>7}" + "".join(f"{m:>9.1f}" for m in ms) + "".join(f"{m / ms[0]:>15.2f}" for m in ms[1:]))
+        print(f"{tokens:>7}" + "".join(f"{m:>16.1f}" for m in ms) + "".join(f"{m / ms[0]:>22.2f}" for m in ms[1:]))
     for name in KERNELS:
         print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
               f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")

@@ -215,14 +215,16 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
 
 
 def device_name(device: torch.device) -> str:
-    """The CUDA device's name, or the CPU's model name and the threads torch uses."""
+    """The CUDA device's name, or the CPU's model name, family and model number (Xeons of different generations
+    share a name) and the threads torch uses."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
-        cpu = names[0] if names else cpu
+        fields = dict(map(str.strip, line.split(":", 1)) for line in cpuinfo.read_text().splitlines() if ":" in line)
+        if "model name" in fields:
+            cpu = f"{fields['model name']} (family {fields.get('cpu family', '?')}, model {fields.get('model', '?')})"
     threads = torch.get_num_threads()
     return f"{cpu}, {threads} thread{'s' if threads > 1 else ''}"
 
