@@ -231,7 +231,8 @@ def device_name(device: torch.device) -> str:
 
 def setup(medusa) -> str:
     """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks)."""
-    dtype, blocks = str(medusa.model.dtype).removeprefix("torch."), " on GGUF blocks" if reads_blocks(medusa.model) else ""
+    dtype = str(medusa.model.dtype).removeprefix("torch.")
+    blocks = " on GGUF blocks" if reads_blocks(medusa.model) else ""
     return f"{device_name(medusa.model.device)}, {dtype}, {medusa.kernels} kernels{blocks}"
 
 
