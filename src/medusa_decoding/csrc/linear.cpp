@@ -130,19 +130,20 @@ struct Blocks {
   static constexpr bool in_place = false;
   static constexpr int64_t BYTES = BLOCK * BITS / 8;  // per block
   const float* rows(int64_t n0, int64_t rows, int64_t next, float* buffer) const {
-    const int64_t first = n0 * (K / BLOCK), blocks = rows * (K / BLOCK);
-    for (int64_t b = 0; b < blocks; b++) {
-      const uint8_t* c = codes + (first + b) * BYTES;
-      const float d = dm[2 * (first + b)], m = dm[2 * (first + b) + 1];
-      float* out = buffer + b * BLOCK;
-      __builtin_prefetch(codes + (next * (K / BLOCK) + b) * BYTES, 0, 2);
+    const int64_t blocks = rows * (K / BLOCK);  // locals: the compiler reloads members after every store
+    const uint8_t* c = codes + n0 * (K / BLOCK) * BYTES;
+    const uint8_t* ahead = codes + next * (K / BLOCK) * BYTES;
+    const float* s = dm + n0 * (K / BLOCK) * 2;
+    float* out = buffer;
+    for (int64_t b = 0; b < blocks; b++, c += BYTES, ahead += BYTES, s += 2, out += BLOCK) {
+      if ((b * BYTES) % 64 == 0) __builtin_prefetch(ahead, 0, 2);  // once a cache line
       for (int64_t i = 0; i < BYTES; i += DECODE_LANES) {
         const ud bytes = *reinterpret_cast<const ud*>(c + i);
         if (BITS == 8) {
-          decode(bytes, d, m, out + i);
+          decode(bytes, s[0], s[1], out + i);
         } else {
-          decode(bytes & 15, d, m, out + i);
-          decode(bytes >> 4, d, m, out + i + BLOCK / 2);
+          decode(bytes & 15, s[0], s[1], out + i);
+          decode(bytes >> 4, s[0], s[1], out + i + BLOCK / 2);
         }
       }
     }
