@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MT-Bench on the embedded default (SmolLM2-135M-Instruct), greedy, 256 new tokens per turn: MEDUSA vs plain
 # decoding vs transformers generate. Writes benchmarks/results/mt_bench_<machine>.json and .png.
-# All 80 questions take about 65 minutes on a 2-core Xeon; `--per-category 3` (48 turns) about 20 minutes. Extra
+# All 80 questions take 65-95 minutes on a 2-core Xeon; `--per-category 3` (48 turns) 20-28 minutes. Extra
 # arguments go to `medusa bench` (later ones win), e.g. a smoke run:
 #   OUT=benchmarks/results/smoke_cpu benchmarks/mt_bench_cpu.sh --limit 2 --max-new-tokens 32
 # --kernels compiled runs MEDUSA and plain decoding through torch.compile (a few minutes of compiling first).
