@@ -216,8 +216,8 @@ def test_preallocated_cache_appends_in_place(family):
 @pytest.fixture(scope="module")
 def smol_reference(smollm):
     ids = smollm.encode(SMOL_PROMPT)
-    assert smollm.kernels == "native" and reads_blocks(smollm.model)  # the CPU default, on the GGUF's own blocks;
-    # the reference runs what transformers alone runs
+    # the CPU default, reading the GGUF's own blocks; the reference runs what transformers alone runs
+    assert smollm.kernels == "native" and reads_blocks(smollm.model)
     with torch.no_grad(), stock_kernels(smollm.model):
         out = smollm.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False, max_new_tokens=NEW_TOKENS)
     return ids, out[0, len(ids):].tolist()

@@ -95,8 +95,9 @@ def native_available() -> bool:
 class NativeLinear(nn.Linear):
     """An nn.Linear that runs medusa::linear on inputs of up to MAX_ROWS rows (a MEDUSA step) and stock kernels
     above (a prefill); where `use_kernels` found its weights to be exact GGUF blocks (`block_codes`), it reads
-    those (`codes`, `scales`) instead: the same bits from a fifth or a third of the bytes. Parameters, tied
-    embeddings, the state dict and save_pretrained are unchanged."""
+    those (`codes`, `scales`) instead: the same bits from a fifth or a third of the bytes. The blocks are found
+    once, when the layer is switched: a weight changed in place later (load_state_dict, merging an adapter) must be
+    switched on a fresh model. Parameters, tied embeddings, the state dict and save_pretrained are unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1]
