@@ -44,11 +44,14 @@ def allocate(model: PreTrainedModel, capacity: int) -> Cache:
 
 def commit(cache: Cache, prefix_len: int, path: torch.Tensor) -> None:
     """Keep tree nodes `path` (node indices, root first) after the first `prefix_len` entries."""
-    # path: [A] increasing node indices; entries of node i sit at prefix_len + i
-    keep = prefix_len + path
-    end = prefix_len + len(path)
+    # path: [A] increasing node indices; entries of node i sit at prefix_len + i, so a path's leading 0, 1, 2, ...
+    # are in place already and only the rest move (a plain step's [0] moves nothing)
+    moved = next((i for i, node in enumerate(path.tolist()) if node != i), len(path))
+    keep = prefix_len + path[moved:]
+    start, end = prefix_len + moved, prefix_len + len(path)
     for layer in cache.layers:
         for name in ("keys", "values"):
             kv = getattr(layer, name)  # [B, heads, S, head_dim]
-            kv[..., prefix_len:end, :] = kv[..., keep, :]
+            if start < end:
+                kv[..., start:end, :] = kv[..., keep, :]
             setattr(layer, name, kv[..., :end, :])
