@@ -63,6 +63,7 @@ class OracleHeads(torch.nn.Module):
         self.register_buffer("luck", torch.rand(len(sequence), num_heads, generator=generator))
 
     check_compatible = MedusaHeads.check_compatible
+    guesses = MedusaHeads.guesses
 
     def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None) -> torch.Tensor:
         # hidden: [..., H] -> logits: [K, ..., V]

@@ -58,7 +58,8 @@ def test_report_schema(greedy):
     assert set(greedy["categories"]) == {"writing", "coding"}
     assert all(KEYS <= set(s) for s in greedy["categories"].values())
     assert set(greedy["overall"]["tokens_per_s"]) == set(DECODERS)
-    assert {"model", "tree", "max_new_tokens", "temperature", "acceptance", "torch", "transformers"} <= set(greedy["config"])
+    settings = {"model", "tree", "guess_vocab", "max_new_tokens", "temperature", "acceptance", "torch", "transformers"}
+    assert settings <= set(greedy["config"])
     assert greedy["config"]["tree"] == [list(p) for p in TREE]
     assert "thread" in greedy["device"]  # CPU here: model name and thread count
     json.dumps(greedy)  # plain JSON all the way down

@@ -3,6 +3,7 @@
 import itertools
 import json
 import math
+from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from medusa_decoding.calibrate import (
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
+from medusa_decoding.kernels import guess_projection
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
 
@@ -220,8 +222,11 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     data[0].write_text("".join(records[:2]))
     data[1].write_text(records[2])
     main(["calibrate", "--data", *map(str, data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
-          "--max-nodes", "5", "--output", str(tmp_path / "out")])
+          "--max-nodes", "5", "--output", str(tmp_path / "out"), "--guess-vocab", "20"])
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
+    chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in records]
+    answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
+    assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
     assert record["setup"].endswith(", 1 thread, float32, native kernels")
@@ -233,7 +238,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     assert "<- chosen" in capsys.readouterr().out
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
     (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
-    assert MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").tree is tree
+    loaded = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out")
+    assert loaded.tree is tree and guess_projection(loaded.model).rows.tolist() == record["guess_vocab"]
 
 
 @pytest.fixture
@@ -282,7 +288,8 @@ def test_cli_names_a_missing_data_file_before_loading_a_model(tmp_path, capsys):
     assert "missing.jsonl" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag, value", [("--max-nodes", "0"), ("--max-positions", "-1"), ("--limit", "0")])
+@pytest.mark.parametrize("flag, value", [("--max-nodes", "0"), ("--max-positions", "-1"), ("--limit", "0"),
+                                         ("--guess-vocab", "5")])  # fewer tokens than the 10 ranks measured
 def test_cli_rejects_bad_sizes_before_loading_a_model(tmp_path, capsys, flag, value):
     with pytest.raises(SystemExit):
         main(["calibrate", "--data", str(tmp_path / "none.jsonl"), "--heads", str(tmp_path), flag, value])

@@ -14,7 +14,8 @@ from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
 from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, block_codes, guess_projection,
-                                     load_native, reads_blocks, resolve_kernels, stock_kernels, use_kernels)
+                                     load_native, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
+                                     use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -208,6 +209,33 @@ def test_int8_linear_approximates_its_float_layer(bias):
     error = (got - expected).abs().max() / expected.abs().max()
     assert error < 0.02  # 8-bit weights and bfloat16 activations: about 1% of the largest logit
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
+
+
+def test_a_guess_vocabulary_ranks_its_tokens_only_and_decoding_stays_lossless(family):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
+    native, vocab_size = native_copy(model), model.get_output_embeddings().out_features
+    heads, vocab = random_heads(native), torch.randperm(vocab_size, generator=torch.Generator().manual_seed(0))[:24]
+    hidden = torch.randn(5, model.config.hidden_size)
+    with torch.no_grad():
+        everything = heads(hidden, guess_projection(native))  # [K, 5, V]
+        set_guess_vocab(native, vocab)
+        some = heads(hidden, guess_projection(native))  # [K, 5, 24]
+        torch.testing.assert_close(some, everything[..., vocab], rtol=1e-6, atol=1e-6)  # the same rows, quantized alike
+        outside = torch.ones(vocab_size, dtype=torch.bool)
+        outside[vocab] = False
+        best = everything.masked_fill(outside, float("-inf")).topk(3, dim=-1).values
+        guesses = heads.guesses(hidden, guess_projection(native), 3)  # [K, 5, 3] token ids
+        assert not outside[guesses].any() and torch.equal(everything.gather(-1, guesses), best)  # ties in any order
+    steps = list(decode(native, heads, PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS), Tree.from_spec(DEFAULT_TREE)))
+    assert [t for step in steps for t in step] == reference
+    set_guess_vocab(native, None)
+    assert guess_projection(native).rows is None and guess_projection(native).weight.shape[0] == vocab_size
+    for bad in (torch.tensor([0, vocab_size]), torch.tensor([3, 3, 4]), torch.tensor([], dtype=torch.long)):
+        with pytest.raises(ValueError, match="guess vocabulary"):
+            set_guess_vocab(native, bad)
+    set_guess_vocab(model, vocab)  # stock kernels: no int8 copy, the guesses stay on the whole vocabulary
+    assert guess_projection(model) is model.get_output_embeddings()
 
 
 def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_native_kernels(family):

@@ -24,7 +24,7 @@ from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptanc
                         measure_step_latency)
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
-from .kernels import MAX_ROWS, stock_kernels
+from .kernels import MAX_ROWS, guess_projection, stock_kernels
 from .model import GenerationOutput, MedusaModel
 
 DECODERS = ("medusa", "plain", "transformers")
@@ -181,9 +181,10 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     bar.close()
     result = report(turns, config, medusa.model.device)
     result["heads_accuracy"] = heads_accuracy(medusa, conversations, result["overall"]["new_tokens"])
+    vocab = getattr(guess_projection(medusa.model), "rows", None)  # the tokens the heads guess from; None: all
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
-                            num_heads=medusa.heads.config.num_heads,
-                            tree=[list(path) for path in medusa.tree.paths])
+                            num_heads=medusa.heads.config.num_heads, tree=[list(path) for path in medusa.tree.paths],
+                            guess_vocab=None if vocab is None else len(vocab))
     if accuracy is not None:
         decoders = [(name, tree, [outputs[name] for *_, outputs in turns])
                     for name, tree in (("plain", PLAIN), ("medusa", medusa.tree))]

@@ -17,7 +17,7 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
 from .decoding import context_limit, prefill, propose, verify
 from .default_model import cache_root
-from .kernels import guess_projection, reads_blocks
+from .kernels import guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -114,6 +114,7 @@ class Calibration:
     latency_s: list[float]  # measured seconds per decoding step, per size
     tokens_per_s: list[float]  # predicted: expected_tokens / latency_s
     size: int  # the chosen size, >= 1
+    guess_vocab: list[int] | None = None  # the tokens the heads guess from (kernels.set_guess_vocab); None: all
 
     @property
     def tree_paths(self) -> list[Node]:
@@ -163,7 +164,7 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
             keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
             chunks = zip(out.last_hidden_state[keep].split(HEADS_CHUNK), targets[:, keep].split(HEADS_CHUNK, dim=1))
             for chunk_hidden, chunk_targets in chunks:
-                top = heads(chunk_hidden, lm_head).topk(ranks, dim=-1).indices  # [K, n, S]
+                top = heads.guesses(chunk_hidden, lm_head, ranks)  # [K, n, S]
                 hits += (top == chunk_targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
                 counts += (chunk_targets != IGNORE_INDEX).sum(-1).cpu()
             progress.update(min(int(counts[0]), config.max_positions) - progress.n)
@@ -243,8 +244,26 @@ def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS)
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """Accuracy table on the conversations, then the tree fitted to this device."""
-    return fit_tree(medusa, measure_accuracy(medusa, conversations, config), config)
+    """The tokens the heads guess from, the accuracy table of those guesses on the conversations, then the tree
+    fitted to this device."""
+    vocab = answer_vocab(medusa, conversations, config)
+    set_guess_vocab(medusa.model, vocab)
+    calibration = fit_tree(medusa, measure_accuracy(medusa, conversations, config), config)
+    return replace(calibration, guess_vocab=None if vocab is None else vocab.tolist())
+
+
+def answer_vocab(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor | None:
+    """The config.guess_vocab tokens the conversations' answers use most, most used first (then unused ones by id),
+    or None: the whole vocabulary (guess_vocab 0 or not smaller, or heads with projections of their own)."""
+    from .training.data import IGNORE_INDEX, build_examples
+
+    size = medusa.heads.config.vocab_size
+    if not config.guess_vocab or config.guess_vocab >= size or medusa.heads.config.projection != "shared":
+        return None
+    examples = build_examples(medusa.tokenizer, conversations, config.max_length)
+    labels = torch.tensor([label for example in examples for label in example["labels"] if label != IGNORE_INDEX])
+    counts = torch.bincount(labels, minlength=size)
+    return counts.sort(descending=True, stable=True).indices[: config.guess_vocab]
 
 
 def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
@@ -257,14 +276,17 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     plot(calibration, directory, setup)
 
 
-def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None] | None:
-    """The accuracy table [K, S] `medusa calibrate` left beside the heads and the setup it timed, if any."""
+def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None, torch.Tensor | None] | None:
+    """What `medusa calibrate` left beside the heads, if anything: the accuracy table [K, S], the setup it timed
+    and the tokens the heads guess from (None: all)."""
     path = Path(heads_dir) / ACCURACY_NAME
     if not path.is_file():
         return None
     try:
         record = json.loads(path.read_text())
-        return torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup")
+        vocab = record.get("guess_vocab")
+        vocab = None if vocab is None else torch.tensor(vocab, dtype=torch.long)
+        return torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
 
@@ -279,11 +301,12 @@ def auto_tree(medusa, heads_dir: str | Path, config: CalibrateConfig = DEFAULTS)
     calibration = read_accuracy(heads_dir)
     if calibration is None:
         return None
-    accuracy, calibrated_on = calibration
+    accuracy, calibrated_on, vocab = calibration
     here = setup(medusa)
     if calibrated_on == here and (heads_dir / TREE_NAME).is_file():
         return Tree.from_spec(json.loads((heads_dir / TREE_NAME).read_text()))
-    what = [medusa.model.name_or_path, asdict(medusa.heads.config), accuracy.tolist(), here]  # all the fit depends on
+    what = [medusa.model.name_or_path, asdict(medusa.heads.config), accuracy.tolist(), here,  # all the fit depends on
+            None if vocab is None else vocab.tolist()]
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():

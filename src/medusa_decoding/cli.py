@@ -227,7 +227,7 @@ def cmd_calibrate(args) -> None:
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
-    config = CalibrateConfig(max_nodes=args.max_nodes, max_positions=args.max_positions)
+    config = CalibrateConfig(max_nodes=args.max_nodes, max_positions=args.max_positions, guess_vocab=args.guess_vocab)
     conversations = read_data(args.data)[: args.limit]  # before the model loads: bad data fails at once
     medusa = load(args)
     result = calibrate(medusa, conversations, config)
@@ -380,6 +380,8 @@ def main(argv=None) -> None:
     add_model_arguments(p, heads=False)
     p.add_argument("--max-nodes", type=int, default=CALIBRATE.max_nodes, help="largest tree tried (candidates)")
     p.add_argument("--max-positions", type=int, default=CALIBRATE.max_positions, help="answer tokens measured")
+    p.add_argument("--guess-vocab", type=int, default=CALIBRATE.guess_vocab,
+                   help="on a CPU the heads guess from the N tokens the data's answers use most (0: all)")
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--output", help="where tree.json, accuracy.json and the plots go (default: the heads directory)")
     p.set_defaults(run=cmd_calibrate, tree=None)  # load() reads --tree; calibration makes the tree

@@ -181,9 +181,13 @@ class CalibrateConfig:
     batch_size: int = 4
     latency_prefix: int = 256  # prefix length the step latency is timed at: a typical mid-answer context
     latency_repeats: int = 7  # timed steps per tree size; the median is kept
+    guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
         for name in ("top_k", "max_nodes", "max_positions", "max_length", "batch_size", "latency_prefix",
                      "latency_repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not isinstance(self.guess_vocab, int) or not (self.guess_vocab == 0 or self.guess_vocab >= self.top_k):
+            raise ValueError(f"guess_vocab must be 0 (the whole vocabulary) or at least top_k ({self.top_k}), "
+                             f"got {self.guess_vocab!r}")

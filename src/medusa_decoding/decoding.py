@@ -60,8 +60,7 @@ def propose(heads: MedusaHeads, lm_head, hidden: torch.Tensor, tree: Tree) -> to
     """hidden: [H] -> candidate tokens [N] for the non-root nodes: head/rank given by the tree."""
     if tree.num_nodes == 1:
         return hidden.new_empty(0, dtype=torch.long)
-    logits = heads(hidden, lm_head, num_heads=tree.depth)  # [D, V]
-    top = logits.topk(tree.topk_per_head(), dim=-1).indices  # [D, k]
+    top = heads.guesses(hidden, lm_head, tree.topk_per_head(), num_heads=tree.depth)  # [D, k]
     return top[tree.heads, tree.ranks]
 
 

@@ -67,6 +67,14 @@ class MedusaHeads(nn.Module):
             raise ValueError("these heads share the base model's LM head: pass lm_head")
         return lm_head(torch.stack([head(hidden) for head in heads]))
 
+    def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None
+                ) -> torch.Tensor:
+        """hidden: [..., H] -> token ids [K, ..., k]: each head's top k. A shared projection onto part of the
+        vocabulary (an Int8Linear with `rows`, kernels.set_guess_vocab) ranks those tokens only."""
+        top = self(hidden, lm_head, num_heads).topk(k, dim=-1).indices
+        rows = getattr(lm_head, "rows", None) if self.config.projection == "shared" else None
+        return top if rows is None else rows[top]
+
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,7 @@ from . import default_model, formats
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
 from .decoding import decode
 from .heads import MedusaHeads
-from .kernels import resolve_kernels, use_kernels
+from .kernels import resolve_kernels, set_guess_vocab, use_kernels
 from .tree import Tree
 
 TREE_NAME = "tree.json"
@@ -124,10 +124,13 @@ class MedusaModel:
         medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
                      kernels)
         medusa.heads_dir = heads_dir
-        if tree == "auto" and heads_dir is not None:
-            from .calibrate import auto_tree  # calibrate builds on this module
+        if heads_dir is not None:
+            from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
 
-            medusa.tree = auto_tree(medusa, heads_dir) or medusa.tree  # after the kernels: they set the latency
+            if (calibration := read_accuracy(heads_dir)) is not None and calibration[2] is not None:
+                set_guess_vocab(medusa.model, calibration[2])
+            if tree == "auto":
+                medusa.tree = auto_tree(medusa, heads_dir) or medusa.tree  # after the kernels: they set the latency
         return medusa
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
