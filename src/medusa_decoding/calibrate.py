@@ -16,6 +16,7 @@ import math
 import platform
 import statistics
 import sys
+import textwrap
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -410,5 +411,6 @@ def plot_speed(plt, calibration: Calibration, device: str):
     more = latency.get_legend_handles_labels()
     axes.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4,
                 fontsize=8, frameon=False)
-    axes.set_title(f"tree size vs speed on {device}\n(1 + expected acceptance) / step latency", fontsize=10)
+    axes.set_title(f"tree size vs speed: (1 + expected acceptance) / step latency\n{textwrap.fill(device, 100)}",
+                   fontsize=9)
     return figure
