@@ -55,7 +55,7 @@ class OracleHeads(torch.nn.Module):
         with torch.no_grad():
             reference = model.base_model(input_ids=sequence[None]).last_hidden_state[0]  # [S, H]
         vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads)
+        self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads, projection="own")  # its own logits
         generator = torch.Generator().manual_seed(seed)
         self.register_buffer("reference", reference)
         self.register_buffer("sequence", sequence.clone())
