@@ -273,7 +273,7 @@ def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
     if vocab is not None and not (vocab.dim() == 1 and len(vocab) and 0 <= int(vocab.min())
                                   and int(vocab.max()) < lm_head.out_features and len(vocab.unique()) == len(vocab)):
         raise ValueError(f"guess vocabulary: distinct token ids below {lm_head.out_features} expected (heads "
-                         f"calibrated for another model?)")
+                         "calibrated for another model?)")
     lm_head.add_module(GUESS_COPY, Int8Linear(lm_head, vocab))
 
 
