@@ -292,16 +292,14 @@ def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None, torc
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
 
 
-def auto_tree(medusa, heads_dir: str | Path, config: CalibrateConfig = DEFAULTS) -> Tree | None:
-    """`--tree auto`: the tree fitted to these heads, this model and this device; None without an accuracy table.
+def auto_tree(medusa, heads_dir: str | Path, calibration: tuple, config: CalibrateConfig = DEFAULTS) -> Tree:
+    """`--tree auto`: the tree fitted to these heads, this model and this device, from the heads' calibration
+    (`read_accuracy(heads_dir)`).
 
     The heads' own tree.json where it was calibrated on this very setup; else a tree fitted now (a few seconds
     of latency measurement) and cached under cache_root()/trees, keyed by model, heads and setup.
     """
     heads_dir = Path(heads_dir)
-    calibration = read_accuracy(heads_dir)
-    if calibration is None:
-        return None
     accuracy, calibrated_on, vocab = calibration
     here = setup(medusa)
     if calibrated_on == here and (heads_dir / TREE_NAME).is_file():

@@ -127,10 +127,11 @@ class MedusaModel:
         if heads_dir is not None:
             from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
 
-            if (calibration := read_accuracy(heads_dir)) is not None and calibration[2] is not None:
-                set_guess_vocab(medusa.model, calibration[2])
-            if tree == "auto":
-                medusa.tree = auto_tree(medusa, heads_dir) or medusa.tree  # after the kernels: they set the latency
+            if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
+                if (vocab := calibration[2]) is not None:
+                    set_guess_vocab(medusa.model, vocab)
+                if tree == "auto":
+                    medusa.tree = auto_tree(medusa, heads_dir, calibration)  # after the kernels: they set the latency
         return medusa
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
