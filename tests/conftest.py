@@ -1,8 +1,20 @@
 """Shared fixtures: tiny random-weight models of each supported family, and the embedded default."""
 
+import os
+
 import pytest
 import torch
 import transformers
+
+from medusa_decoding.kernels import compile_error, native_build
+
+# MEDUSA_TEST_THREADS=N runs the whole suite on N torch threads (default: torch's, and 1 where `one_thread` asks)
+THREADS = int(os.environ.get("MEDUSA_TEST_THREADS", "0"))
+if THREADS:
+    torch.set_num_threads(THREADS)
+# tests of the native kernel itself; elsewhere kernels="auto" falls back to stock kernels and the tests run on those
+needs_native = pytest.mark.skipif(native_build() is not None, reason=f"native CPU kernel: {native_build()}")
+needs_compiler = pytest.mark.skipif(compile_error("cpu") is not None, reason=f"torch.compile: {compile_error('cpu')}")
 
 VOCAB = 96
 HIDDEN = 32
@@ -59,9 +71,9 @@ def tiny_tokenizer():
 @pytest.fixture(scope="module")
 def one_thread():
     """One torch thread for a module: tiny models gain nothing from threads, and on a shared CPU two
-    OpenMP threads spin-wait against other processes (10-20x slower)."""
+    OpenMP threads spin-wait against other processes (10-20x slower). MEDUSA_TEST_THREADS overrides it."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    torch.set_num_threads(THREADS or 1)
     yield
     torch.set_num_threads(threads)
 

@@ -21,7 +21,7 @@ from medusa_decoding.calibrate import (
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
-from medusa_decoding.kernels import guess_projection
+from medusa_decoding.kernels import guess_projection, native_build
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
 
@@ -229,7 +229,7 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
-    assert record["setup"].endswith(", 1 thread, float32, native kernels")
+    assert record["setup"].endswith(f", 1 thread, float32, {'stock' if native_build() else 'native'} kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
     tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
     assert tree.num_nodes == record["size"] + 1
@@ -239,7 +239,9 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
     (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
     loaded = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out")
-    assert loaded.tree is tree and guess_projection(loaded.model).rows.tolist() == record["guess_vocab"]
+    assert loaded.tree is tree
+    if loaded.kernels == "native":  # the vocabulary lives in the LM head's int8 copy; stock kernels guess from all
+        assert guess_projection(loaded.model).rows.tolist() == record["guess_vocab"]
 
 
 @pytest.fixture

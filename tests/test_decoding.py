@@ -12,14 +12,15 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import FAMILIES, tiny_model
-from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, greedy_reference, lively_model,
+                            random_heads)
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
-from medusa_decoding.kernels import reads_blocks, stock_kernels
+from medusa_decoding.kernels import native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
 
 ATTENTION = ("sdpa", "eager")
@@ -216,11 +217,15 @@ def test_preallocated_cache_appends_in_place(family):
 @pytest.fixture(scope="module")
 def smol_reference(smollm):
     ids = smollm.encode(SMOL_PROMPT)
-    # the CPU default, reading the GGUF's own blocks; the reference runs what transformers alone runs
-    assert smollm.kernels == "native" and reads_blocks(smollm.model)
+    # the CPU default, reading the GGUF's own blocks where the native kernel builds; the reference runs what
+    # transformers alone runs
+    assert smollm.kernels == ("stock" if native_build() else "native")
+    assert reads_blocks(smollm.model) == (smollm.kernels == "native")
     with torch.no_grad(), stock_kernels(smollm.model):
-        out = smollm.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False, max_new_tokens=NEW_TOKENS)
-    return ids, out[0, len(ids):].tolist()
+        out = smollm.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], do_sample=False,
+                                    max_new_tokens=NEW_TOKENS, output_scores=True, return_dict_in_generate=True)
+    assert_decisive(torch.stack(out.scores)[:, 0], SMOLLM_ARGMAX_MARGIN)
+    return ids, out.sequences[0, len(ids):].tolist()
 
 
 @pytest.mark.parametrize("heads", ["default", "oracle"])

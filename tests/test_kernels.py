@@ -7,15 +7,15 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, needs_compiler, needs_native
 from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
-from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, block_codes, guess_projection,
-                                     load_native, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
-                                     use_kernels)
+from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, block_codes, compile_error,
+                                     guess_projection, load_native, native_build, reads_blocks, resolve_kernels,
+                                     set_guess_vocab, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -28,6 +28,7 @@ def native_copy(model):
     return use_kernels(copy.deepcopy(model), "native")
 
 
+@needs_native
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 64, 96), (7, 40, 7), (130, 576, 33)])
 def test_native_linear_is_batch_invariant_and_computes_x_wt(rows, in_features, out_features):
     load_native()
@@ -49,6 +50,7 @@ def gguf_exact(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(quants.quantize(weight.detach().numpy(), kind), kind))
 
 
+@needs_native
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
 def test_gguf_blocks_are_read_to_the_same_bits(qtype, bits):
     load_native()
@@ -74,6 +76,7 @@ def test_weights_that_are_not_exact_blocks_keep_float32():
     assert block_codes(torch.zeros(8, 48)) is None  # rows not made of whole blocks
 
 
+@needs_native
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(family):
     model = lively_model(family, seed=FAMILIES.index(family))
@@ -103,6 +106,7 @@ def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(fam
     assert torch.equal(on_blocks, tree_logits(native))  # float32 weights: the very same bits
 
 
+@needs_native
 def test_native_model_computes_the_stock_logits_and_keeps_its_state_dict(family):
     model = lively_model(family)
     native = native_copy(model)
@@ -115,6 +119,7 @@ def test_native_model_computes_the_stock_logits_and_keeps_its_state_dict(family)
     assert all(torch.equal(state[k], native_state[k]) for k in state)
 
 
+@needs_native
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_medusa_on_native_kernels_equals_stock_generate(family):
     model = lively_model(family, seed=FAMILIES.index(family))
@@ -125,6 +130,7 @@ def test_greedy_medusa_on_native_kernels_equals_stock_generate(family):
     assert [t for step in steps for t in step] == reference
 
 
+@needs_compiler
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
     model = lively_model(family, seed=FAMILIES.index(family))
@@ -141,6 +147,7 @@ def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
     assert compiled.base_model._compiled_call_impl is not None
 
 
+@needs_native
 def test_stock_kernels_runs_stock_inside_and_native_after():
     native = native_copy(lively_model("llama"))
     linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear)]
@@ -177,16 +184,24 @@ def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, 
 
 
 def test_resolve_kernels():
-    assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == "native"
+    assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == ("stock" if native_build() else "native")
     assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
     assert resolve_kernels("stock", torch.device("cpu"), torch.float32) == "stock"
-    assert resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16) == "compiled"
+    if compile_error("cpu") is None:
+        assert resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16) == "compiled"
+    else:
+        with pytest.raises(ValueError, match="kernels='compiled' cannot run here: no C.. compiler"):
+            resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16)
+    if native_build() is not None:
+        with pytest.raises(ValueError, match="kernels='native' cannot run here: .*compiler"):
+            resolve_kernels("native", torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="float32 only"):
         resolve_kernels("native", torch.device("cpu"), torch.bfloat16)
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve_kernels("fast", torch.device("cpu"), torch.float32)
 
 
+@needs_native
 @pytest.mark.parametrize("bias", [False, True])
 def test_native_linears_run_stock_above_max_rows(bias):
     load_native()
@@ -211,6 +226,7 @@ def test_int8_linear_approximates_its_float_layer(bias):
     assert (got.argmax(-1) == expected.argmax(-1)).float().mean() > 0.9
 
 
+@needs_native
 def test_a_guess_vocabulary_ranks_its_tokens_only_and_decoding_stays_lossless(family):
     model = lively_model(family, seed=FAMILIES.index(family))
     reference = greedy_reference(model, PROMPT, NEW_TOKENS)
@@ -238,6 +254,7 @@ def test_a_guess_vocabulary_ranks_its_tokens_only_and_decoding_stays_lossless(fa
     assert guess_projection(model) is model.get_output_embeddings()
 
 
+@needs_native
 def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_native_kernels(family):
     model = lively_model(family)
     assert guess_projection(model) is model.get_output_embeddings()

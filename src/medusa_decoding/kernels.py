@@ -60,11 +60,13 @@ ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", 
 
 
 @functools.cache
-def load_native() -> None:
-    """Builds medusa::linear for this machine's vector width (once: torch caches the build) and loads it.
-    Raises RuntimeError where it cannot be built (no C++ compiler, no OpenMP)."""
-    from torch.utils.cpp_extension import get_default_build_root, load
+def native_build() -> str | None:
+    """Builds medusa::linear for this machine's vector width (once: torch caches the build) and loads it. Returns
+    None, or why it cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
+    from torch.utils.cpp_extension import get_cxx_compiler, get_default_build_root, load
 
+    if shutil.which(get_cxx_compiler()) is None:
+        return f"no C++ compiler: {get_cxx_compiler()!r} is not on PATH (install g++, or set CXX)"
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: the pip package's, outside an activated venv
         import ninja
 
@@ -76,21 +78,27 @@ def load_native() -> None:
     try:
         load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])],
              extra_ldflags=["-fopenmp"], is_python_module=False)
-    except Exception as error:  # the compiler's own message says why
-        raise RuntimeError(f"kernels='native' could not build {SOURCE.name}: {error}") from error
+    except Exception as error:  # the compiler's own output: its first error line says why
+        lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+        return f"{SOURCE.name} did not build: {next((l for l in lines if 'error' in l.lower()), lines[0] if lines else error)}"
     torch.library.register_fake("medusa::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("medusa::linear_blocks")(lambda x, codes, scales, bits: x.new_empty(x.shape[0],
                                                                                                       codes.shape[0]))
+    return None
+
+
+def load_native() -> None:
+    """Loads medusa::linear, building it once; a RuntimeError saying why where it cannot be built."""
+    if (error := native_build()) is not None:
+        raise RuntimeError(f"kernels='native': the native CPU kernel cannot be built here: {error}")
 
 
 @functools.cache
 def native_available() -> bool:
-    try:
-        load_native()
-    except RuntimeError as error:
-        print(f"medusa: stock kernels instead of native ones: {error}", file=sys.stderr)
-        return False
-    return True
+    """Whether the native kernel runs here; where not, says why once (kernels='auto' then runs stock kernels)."""
+    if (error := native_build()) is not None:
+        print(f"medusa: native CPU kernels unavailable, running PyTorch's stock kernels: {error}", file=sys.stderr)
+    return error is None
 
 
 class NativeLinear(nn.Linear):
@@ -205,6 +213,16 @@ AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the prefill's causal mask, built as for sdpa
 
 
+def compile_error(device: torch.device) -> str | None:
+    """Why torch.compile cannot run on `device` here, or None: on a CPU, inductor builds C++ with its compiler."""
+    from torch._inductor import config
+
+    compiler = config.cpp.cxx[-1]  # $CXX, else g++
+    if torch.device(device).type != "cpu" or shutil.which(compiler) is not None:
+        return None
+    return f"no C++ compiler: {compiler!r} is not on PATH (torch.compile builds C++ on the CPU; install g++, or set CXX)"
+
+
 def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32
 
@@ -218,6 +236,9 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
         return "native" if cpu_fp32 and native_available() else "stock"
     if kernels == "native" and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
+    error = native_build() if kernels == "native" else compile_error(device) if kernels == "compiled" else None
+    if error is not None:
+        raise ValueError(f"kernels={kernels!r} cannot run here: {error}")
     return kernels
 
 
