@@ -53,11 +53,11 @@ def main() -> None:
     models["bf16"] = MedusaModel(bf16, base.tokenizer, copy.deepcopy(base.heads), base.tree)  # lossy too: measured
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
     timings = {name: [[] for _ in SIZES] for name in KERNELS}
-    once = CalibrateConfig(latency_repeats=2)
+    once = CalibrateConfig(latency_repeats=2, latency_contexts=(256,))
     for round_ in range(ROUNDS):
         print(f"latency round {round_ + 1}/{ROUNDS}", file=sys.stderr)
         for name, medusa in models.items():
-            for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)):
+            for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)[1][0]):
                 timed.append(seconds)
     latency = {name: [statistics.median(t) for t in timings[name]] for name in KERNELS}
 

@@ -117,22 +117,27 @@ def test_bad_input_is_a_value_error_naming_the_field(table, nodes, field):
         grow_tree(table, nodes)
 
 
-def test_choose_tree_picks_the_argmax_of_predicted_tokens_per_second():
+def test_choose_tree_picks_the_argmax_of_predicted_tokens_per_second_at_the_middle_context():
     latencies = [1.0, 1.1, 1.2, 1.3, 1.4, 2.0, 2.5, 3.0]
-    choice = choose_tree(HAND, list(range(8)), latencies)
+    short = [1.0] * 8  # at a short context every size costs alike: the largest would win there
+    choice = choose_tree(HAND, list(range(8)), [64, 512, 2048], [short, latencies, [2 * t for t in latencies]])
     predicted = [(1 + e) / s for e, s in zip([0.0] + HAND_EXPECTED[:7], latencies)]
     assert choice.tokens_per_s == pytest.approx(predicted)
     assert choice.size == max(range(1, 8), key=predicted.__getitem__) == 4
     assert choice.tree_paths == HAND_ORDER[:4]
-    flat = choose_tree(HAND, list(range(8)), [1.0] * 8)  # equal step times: the largest tree wins
+    assert choice.contexts == [64, 512, 2048] and choice.latency_s[0] == short
+    flat = choose_tree(HAND, list(range(8)), [256], [[1.0] * 8])  # equal step times: the largest tree wins
     assert flat.size == 7
 
 
 def test_choose_tree_over_sparse_sizes_predicts_each_measured_size():
     sizes, latencies = [0, 1, 3, 7], [1.0, 1.1, 1.25, 3.0]
-    choice = choose_tree(HAND, sizes, latencies)
+    choice = choose_tree(HAND, sizes, [256], [latencies])
     assert choice.expected_tokens == pytest.approx([1.0] + [1 + HAND_EXPECTED[n - 1] for n in sizes[1:]])
     assert choice.size == 3 and choice.tree_paths == HAND_ORDER[:3]
+    ladder = choice.ladder()  # what the guard chooses from: the same trees, yields and latencies
+    assert [t.num_nodes - 1 for t in ladder.trees] == sizes and set(ladder.tree.paths) == set(HAND_ORDER[:3])
+    assert list(ladder.expected_tokens) == choice.expected_tokens and ladder.latency(256) == latencies
 
 
 def test_tried_sizes_are_dense_for_small_trees_and_end_at_the_largest():
@@ -140,13 +145,14 @@ def test_tried_sizes_are_dense_for_small_trees_and_end_at_the_largest():
     assert tried_sizes(50) == [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50]
 
 
-@pytest.mark.parametrize("sizes, latencies", [
-    ([0], [1.0]), ([0, 1], [1.0, 0.0]), (list(range(14)), [1.0] * 14),  # 13 candidates, only 12 nodes exist
-    ([1, 2], [1.0, 1.0]), ([0, 2, 1], [1.0] * 3), ([0, 1], [1.0]),
+@pytest.mark.parametrize("sizes, contexts, latencies", [
+    ([0], [1], [[1.0]]), ([0, 1], [1], [[1.0, 0.0]]), (list(range(14)), [1], [[1.0] * 14]),  # 13 candidates, 12 nodes
+    ([1, 2], [1], [[1.0, 1.0]]), ([0, 2, 1], [1], [[1.0] * 3]), ([0, 1], [1], [[1.0]]),
+    ([0, 1], [1, 2], [[1.0, 1.0]]), ([0, 1], [], []),  # a row per context
 ])
-def test_choose_tree_rejects_missing_or_bad_latencies(sizes, latencies):
+def test_choose_tree_rejects_missing_or_bad_latencies(sizes, contexts, latencies):
     with pytest.raises(ValueError, match="latencies"):
-        choose_tree(HAND, sizes, latencies)
+        choose_tree(HAND, sizes, contexts, latencies)
 
 
 # --- measurements on tiny models ---
@@ -206,8 +212,10 @@ def test_step_latency_is_one_positive_time_per_tree(oracle):
     medusa, _ = oracle
     paths, _ = grow_tree(HAND, 6)
     trees = [build(())] + [build(tuple(paths[:n])) for n in (1, 3, 6)]
-    latencies = measure_step_latency(medusa, trees, CalibrateConfig(latency_prefix=32, latency_repeats=3))
-    assert len(latencies) == 4 and all(t > 0 for t in latencies)
+    contexts, latencies = measure_step_latency(medusa, trees, CalibrateConfig(latency_contexts=(32, 2000, 8),
+                                                                              latency_repeats=3))
+    assert contexts == [8, 32, 1024 - 7]  # increasing, and cut to the context the largest tree leaves (1024 - 7)
+    assert len(latencies) == 3 and all(len(row) == 4 and min(row) > 0 for row in latencies)
 
 
 def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys):
@@ -227,7 +235,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in records]
     answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
-    assert len(record["accuracy"]) == 2 and len(record["latency_s"]) == len(record["tokens_per_s"]) == 6
+    assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6
+    assert record["contexts"] == [128, 512, 1024 - 6] and [len(row) for row in record["latency_s"]] == [6] * 3
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
     assert record["setup"].endswith(f", 1 thread, float32, {'stock' if native_build() else 'native'} kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)

@@ -41,9 +41,10 @@ def test_generate_json_is_transformers_greedy(generated, smollm):
         )
     assert generated["token_ids"] == reference[0, prompt.shape[1]:].tolist()
     assert generated["text"] == smollm.tokenizer.decode(generated["token_ids"], skip_special_tokens=True)
-    assert set(generated) == {"text", "token_ids", "steps", "accept_lengths", "tokens_per_s"}
+    assert set(generated) == {"text", "token_ids", "steps", "accept_lengths", "tree_sizes", "tokens_per_s"}
     assert sum(generated["accept_lengths"]) == len(generated["token_ids"])
-    assert generated["steps"] == len(generated["accept_lengths"])
+    assert generated["steps"] == len(generated["accept_lengths"]) == len(generated["tree_sizes"])
+    assert generated["tree_sizes"][0] == 0 and max(generated["tree_sizes"]) > 0  # the prefill, then trees
     assert max(generated["accept_lengths"]) > 1  # the tree was verified and some guesses were accepted
     assert generated["tokens_per_s"] > 0
 

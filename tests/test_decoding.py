@@ -53,7 +53,7 @@ def case(family: str, attention: str = "sdpa", new_tokens: int = NEW_TOKENS) -> 
 def run(model, heads, tree, max_new_tokens=NEW_TOKENS, prompt=PROMPT, eos_ids=frozenset(), medusa=True):
     """The tokens of each forward pass, as decode yields them."""
     config = GenerationConfig(max_new_tokens=max_new_tokens, medusa=medusa)
-    return list(decode(model, heads, prompt, config, Tree.from_spec(tree), frozenset(eos_ids)))
+    return [new for new, _ in decode(model, heads, prompt, config, Tree.from_spec(tree), frozenset(eos_ids))]
 
 
 def flat(steps: list[list[int]]) -> list[int]:

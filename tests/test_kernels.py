@@ -91,7 +91,7 @@ def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(fam
     assert native.state_dict().keys() == model.state_dict().keys()  # the codes are not saved
     steps = list(decode(native, random_heads(native), PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS),
                         Tree.from_spec(DEFAULT_TREE)))
-    assert [t for step in steps for t in step] == reference
+    assert [t for step, _ in steps for t in step] == reference
     tree = Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3
 
@@ -127,7 +127,7 @@ def test_greedy_medusa_on_native_kernels_equals_stock_generate(family):
     native = native_copy(model)
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     steps = list(decode(native, random_heads(native), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
-    assert [t for step in steps for t in step] == reference
+    assert [t for step, _ in steps for t in step] == reference
 
 
 @needs_compiler
@@ -139,7 +139,7 @@ def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     steps = list(decode(compiled, random_heads(compiled), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
-    assert [t for step in steps for t in step] == reference
+    assert [t for step, _ in steps for t in step] == reference
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 3  # prefill, trees, one token
     assert isinstance(guess_projection(compiled), Int8Linear)
     with stock_kernels(compiled):
@@ -244,7 +244,7 @@ def test_a_guess_vocabulary_ranks_its_tokens_only_and_decoding_stays_lossless(fa
         guesses = heads.guesses(hidden, guess_projection(native), 3)  # [K, 5, 3] token ids
         assert not outside[guesses].any() and torch.equal(everything.gather(-1, guesses), best)  # ties in any order
     steps = list(decode(native, heads, PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS), Tree.from_spec(DEFAULT_TREE)))
-    assert [t for step in steps for t in step] == reference
+    assert [t for step, _ in steps for t in step] == reference
     set_guess_vocab(native, None)
     assert guess_projection(native).rows is None and guess_projection(native).weight.shape[0] == vocab_size
     for bad in (torch.tensor([0, vocab_size]), torch.tensor([3, 3, 4]), torch.tensor([], dtype=torch.long)):

@@ -123,17 +123,17 @@ def test_stop_string_cuts_text_tokens_and_stream(smollm, story, at):
 def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
     """A stop string completed mid-step keeps the step's tokens up to the completing one, not the rest."""
     ids = smollm.tokenizer(" one two three four five six")["input_ids"]
-    steps = [ids[:1], ids[1:5], ids[5:]]
+    steps = [(ids[:1], 0), (ids[1:5], 3), (ids[5:], 3)]  # (tokens, candidates verified)
     monkeypatch.setattr(model_module, "decode", lambda *args: iter(steps))
     out = smollm.generate("hi", stop=("two thr",))
     assert out.text == " one "
-    assert out.token_ids == ids[:3] and out.accept_lengths == [1, 2]
+    assert out.token_ids == ids[:3] and out.accept_lengths == [1, 2] and out.tree_sizes == [0, 3]
     assert "".join(smollm.stream("hi", stop=("two thr",))) == " one "
 
 
 def test_stop_strings_hold_back_a_possible_start(smollm, monkeypatch):
     ids = smollm.tokenizer(" one two three")["input_ids"]
-    monkeypatch.setattr(model_module, "decode", lambda *args: iter([[t] for t in ids]))
+    monkeypatch.setattr(model_module, "decode", lambda *args: iter([([t], 0) for t in ids]))
     pieces = list(smollm.stream("hi", stop=(" two four",)))  # " two" could start it; " three" rules it out
     assert pieces == [" one", " two three"]
 

@@ -14,7 +14,8 @@ from scipy.stats import chisquare
 from medusa_decoding import acceptance
 from medusa_decoding.acceptance import sample, target_probs
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import decode
+from medusa_decoding.decoding import PLAIN, decode
+from medusa_decoding.guard import Guard, Ladder
 from medusa_decoding.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -100,7 +101,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.long)
     for _ in range(samples):
-        tokens = [t for step in decode(model, heads, PROMPT, config, tree, generator=generator) for t in step]
+        tokens = [t for step, _ in decode(model, heads, PROMPT, config, tree, generator=generator) for t in step]
         counts[tuple(tokens[:MEASURED])] += 1
     return counts
 
@@ -108,6 +109,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -
 @pytest.mark.parametrize("verifier, filters", [
     ("engine", {}),
     ("engine", {"top_k": 4, "top_p": 0.8}),
+    ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
 ])
@@ -117,9 +119,14 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         monkeypatch.setitem(acceptance.RULES, "rejection", flawed[verifier])
     model, heads = small_model
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
-    counts = draw(model, heads, config, Tree.from_spec(WIDE))
+    tree = Tree.from_spec(WIDE)
+    if verifier.endswith("sampled tokens"):
+        trees = (PLAIN, Tree.from_spec([[0]]), Tree.from_spec([[0], [1]]), tree)  # each holding the ones before
+        tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,), 0)
+        monkeypatch.setattr(Guard, "choose", lambda guard, context: (trees[guard.generated[-1] % len(trees)], True))
+    counts = draw(model, heads, config, tree)
     p_value = goodness_of_fit(counts, exact_joint(model, **filters))
-    if verifier == "engine":
+    if verifier.startswith("engine"):
         assert p_value > PASS_P
     else:
         assert p_value < FAIL_P
@@ -139,14 +146,14 @@ def test_sampling_rules_at_temperature_zero_are_greedy(family, rule):
     reference = greedy_reference(model, prompt, 40)
     heads = OracleHeads(model, torch.cat([prompt, torch.tensor(reference)]))
     config = GenerationConfig(max_new_tokens=40, temperature=0, acceptance=rule)
-    steps = list(decode(model, heads, prompt, config, Tree.from_spec(DEFAULT_TREE), generator=torch.Generator()))
+    steps = [new for new, _ in decode(model, heads, prompt, config, Tree.from_spec(DEFAULT_TREE), generator=torch.Generator())]
     assert [t for step in steps for t in step] == reference
     assert len(steps) < 30  # paths were accepted, not just one token per step
 
 
 def sampled(model, heads, tree, seed: int = 0, **fields) -> list[list[int]]:
     config = GenerationConfig(temperature=1.0, **fields)
-    return list(decode(model, heads, PROMPT, config, tree, generator=torch.Generator().manual_seed(seed)))
+    return [new for new, _ in decode(model, heads, PROMPT, config, tree, generator=torch.Generator().manual_seed(seed))]
 
 
 @pytest.mark.parametrize("rule", ["typical", "rejection"])

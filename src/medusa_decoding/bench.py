@@ -24,6 +24,7 @@ from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptanc
                         measure_step_latency)
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
+from .guard import Ladder
 from .kernels import MAX_ROWS, guess_projection, stock_kernels
 from .model import GenerationOutput, MedusaModel
 
@@ -161,7 +162,10 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
-    for view in swept:  # compiled kernels compile a pass size on its first call: never on the clock
+    # compiled kernels compile a pass size on its first call: never on the clock (nor a tree the guard picks later)
+    ladder = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
+              for tree in medusa.trees.trees] if len(medusa.trees.trees) > 1 else []
+    for view in swept + ladder:
         view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
@@ -186,10 +190,10 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
                             num_heads=medusa.heads.config.num_heads, tree=[list(path) for path in medusa.tree.paths],
                             guess_vocab=None if vocab is None else len(vocab))
     if accuracy is not None:
-        decoders = [(name, tree, [outputs[name] for *_, outputs in turns])
-                    for name, tree in (("plain", PLAIN), ("medusa", medusa.tree))]
-        decoders += [("sweep", view.tree, outs) for view, outs in zip(swept, sweep_outputs)]
-        result["prediction"] = predictions(medusa, accuracy, decoders, mean_context(turns))
+        decoders = [(name, trees, [outputs[name] for *_, outputs in turns])
+                    for name, trees in (("plain", Ladder.fixed(PLAIN)), ("medusa", medusa.trees))]
+        decoders += [("sweep", view.trees, outs) for view, outs in zip(swept, sweep_outputs)]
+        result["prediction"] = predictions(medusa, accuracy, decoders, turns)
     return result
 
 
@@ -200,32 +204,64 @@ def heads_accuracy(medusa: MedusaModel, conversations: list[list[dict]], positio
     return {"top1": accuracy[:, 0].tolist(), "top5": accuracy.sum(1).tolist()}
 
 
-def mean_context(turns: list) -> int:
-    """The context a decoding step of these turns saw on average (prompt + half its answer, weighted by tokens)."""
-    lengths = [(prompt_len, len(outputs["plain"].token_ids)) for *_, prompt_len, outputs in turns]
-    return round(sum((prompt + new / 2) * new for prompt, new in lengths) / sum(new for _, new in lengths))
+def step_contexts(prompt_len: int, out: GenerationOutput) -> list[int]:
+    """The context each step after the prefill started at: the prompt and every token before that step's root."""
+    contexts = [prompt_len]
+    for accepted in out.accept_lengths[1:-1]:
+        contexts.append(contexts[-1] + accepted)
+    return contexts
 
 
-def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list, context: int) -> list[dict]:
-    """Predicted (calibration model: expected tokens per step / step latency measured now at `context` tokens) vs
-    measured speed.
+def spanning_contexts(turns: list) -> tuple[int, ...]:
+    """Three contexts spanning every step of the run (step latency is close to linear in between)."""
+    low = min(prompt_len for *_, prompt_len, _ in turns)
+    high = max(prompt_len + len(outputs["plain"].token_ids) for *_, prompt_len, outputs in turns)
+    return tuple(sorted({low, (low + high) // 2, high}))
 
-    decoders: (name, tree, outputs on every turn). Measured tokens/s counts the whole generation, prefill included.
+
+def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list, turns: list) -> list[dict]:
+    """The calibration model against the run, per decoder, overall and per category. Each step is predicted at its
+    own tree and context: tokens 1 + the tree's expected acceptance under the accuracy table, seconds its step
+    latency timed now (the trees taking turns) at contexts spanning the run's, interpolated. Measured: the decode
+    phase (every step after the prefill). A tree cut at the token budget's end (a turn's last few steps) counts as
+    the decoder's tree nearest in size.
+
+    decoders: (name, Ladder of the trees it may use, its outputs on every turn).
     """
-    latencies = measure_step_latency(medusa, [tree for _, tree, _ in decoders], replace(CALIBRATION, latency_prefix=context))
+    config = replace(CALIBRATION, latency_contexts=spanning_contexts(turns))
     rows = []
-    for (name, tree, outputs), latency in zip(decoders, latencies):
-        totals = Totals()
-        for out in outputs:
-            totals.add(out)
-        per_step = 1 + expected_acceptance(tree.paths, accuracy)
-        predicted = per_step / latency
-        rows.append({"decoder": name, "tree_size": tree.num_nodes - 1, "step_latency_s": latency, "context": context,
-                     "predicted_tokens_per_step": per_step,
-                     "measured_tokens_per_step": ratio(totals.new_tokens, totals.steps),
-                     "predicted_tokens_per_s": predicted, "measured_tokens_per_s": totals.tokens_per_s,
-                     "error": ratio(totals.tokens_per_s, predicted) - 1})
+    for name, trees, outputs in decoders:
+        measured = list(trees.trees)
+        guessing = (max(t.topk_per_head() for t in measured), max(t.depth for t in measured)) if len(measured) > 1 else None
+        contexts, latency = measure_step_latency(medusa, measured, config, guessing)
+        timed = replace(trees, contexts=tuple(contexts), latency_s=tuple(map(tuple, latency)))
+        sizes = [tree.num_nodes - 1 for tree in measured]
+        expected = [1 + expected_acceptance(tree.paths, accuracy) for tree in measured]
+        sums: dict[str, list[float]] = {}  # category -> predicted tokens, predicted s, measured tokens, s, steps
+        for (question, _, prompt_len, _), out in zip(turns, outputs):
+            total = sums.setdefault(question.category, [0.0] * 5)
+            for size, context in zip(out.tree_sizes[1:], step_contexts(prompt_len, out)):
+                index = min(range(len(sizes)), key=lambda i: abs(sizes[i] - size))
+                total[0] += expected[index]
+                total[1] += timed.latency(context)[index]
+            total[2:] = [total[2] + len(out.token_ids) - 1, total[3] + out.seconds - out.first_token_seconds,
+                         total[4] + out.steps - 1]
+        steps = [size for out in outputs for size in out.tree_sizes[1:]]
+        rows.append({"decoder": name, "tree_size": sum(steps) / len(steps) if steps else 0.0,
+                     "contexts": contexts, **prediction_figures([sum(col) for col in zip(*sums.values())]),
+                     "categories": {category: prediction_figures(total) for category, total in sums.items()}})
     return rows
+
+
+def prediction_figures(total: list[float]) -> dict:
+    """Predicted against measured per step and per second, from the sums `predictions` adds up."""
+    predicted_tokens, predicted_seconds, tokens, seconds, steps = total
+    predicted = ratio(predicted_tokens, predicted_seconds)
+    return {"steps": int(steps),
+            "predicted_tokens_per_step": ratio(predicted_tokens, steps), "measured_tokens_per_step": ratio(tokens, steps),
+            "predicted_step_latency_s": ratio(predicted_seconds, steps), "measured_step_latency_s": ratio(seconds, steps),
+            "predicted_tokens_per_s": predicted, "measured_tokens_per_s": ratio(tokens, seconds),
+            "error": ratio(ratio(tokens, seconds), predicted) - 1}
 
 
 def ratio(a: float, b: float) -> float:
@@ -239,6 +275,7 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         for name, out in turn.items():
             totals[name].add(out)
     medusa, plain, hf = (totals[name] for name in DECODERS)
+    trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
         "turns": len(outputs),
         "acceleration_rate": ratio(medusa.new_tokens, medusa.steps),
@@ -249,6 +286,9 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "new_tokens": medusa.new_tokens,
         "steps": medusa.steps,
         "accept_lengths": {str(n): medusa.accept_lengths[n] for n in sorted(medusa.accept_lengths)},
+        "tree_sizes": {str(n): trees[n] for n in sorted(trees)},  # MEDUSA's steps by candidates verified
+        "mean_tree_size": ratio(sum(n * c for n, c in trees.items()), trees.total()),
+        "plain_step_share": ratio(trees[0], trees.total()),
         "totals": {name: {"new_tokens": t.new_tokens, "steps": t.steps, "seconds": t.seconds} for name, t in totals.items()},
     }
 
@@ -281,25 +321,35 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
 def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
-              f"{'tokens/step':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
+              f"{'tokens/step':>11} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
     rows = [header]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
         speed = s["tokens_per_s"]
         rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
-                    f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['overhead']:>8.2f} "
-                    f"{s['speedup']:>7.2f}x {s['speedup_vs_transformers']:>5.2f}x")
+                    f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['mean_tree_size']:>5.1f} "
+                    f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
+                    f"{s['speedup_vs_transformers']:>5.2f}x")
+    rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
+                "guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
     accuracy = report["heads_accuracy"]
     rows.append("heads on these answers (teacher-forced), top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"])
                 + "; top-5: " + " ".join(f"{a:.3f}" for a in accuracy["top5"]))
     if "prediction" in report:
-        rows.append(f"\n{'decoder':<8} {'tree':>5} {'step ms':>8} {'tokens/step':>18} {'tokens/s':>18} {'error':>7}")
-        rows.append(f"{'':<8} {'':>5} {'':>8} {'predicted measured':>18} {'predicted measured':>18}")
+        rows.append("\nthe calibration's prediction against the decode phase (steps after the prefill), each step at its "
+                    "own tree and context")
+        rows.append(f"{'decoder':<8} {'category':<14} {'tree':>5} {'tokens/step':>18} {'step ms':>18} {'tokens/s':>18} "
+                    f"{'error':>7}")
+        rows.append(f"{'':<8} {'':<14} {'':>5} {'predicted measured':>18} {'predicted measured':>18} "
+                    f"{'predicted measured':>18}")
         for p in report["prediction"]:
-            rows.append(f"{p['decoder']:<8} {p['tree_size']:>5} {1000 * p['step_latency_s']:>8.1f} "
-                        f"{p['predicted_tokens_per_step']:>9.2f} {p['measured_tokens_per_step']:>8.2f} "
-                        f"{p['predicted_tokens_per_s']:>9.1f} {p['measured_tokens_per_s']:>8.1f} {p['error']:>+7.1%}")
+            groups = [("all", p)] + (sorted(p["categories"].items()) if p["decoder"] != "sweep" else [])
+            for name, g in groups:
+                rows.append(f"{p['decoder']:<8} {name[:14]:<14} {p['tree_size']:>5.1f} "
+                            f"{g['predicted_tokens_per_step']:>9.2f} {g['measured_tokens_per_step']:>8.2f} "
+                            f"{1000 * g['predicted_step_latency_s']:>9.1f} {1000 * g['measured_step_latency_s']:>8.1f} "
+                            f"{g['predicted_tokens_per_s']:>9.1f} {g['measured_tokens_per_s']:>8.1f} {g['error']:>+7.1%}")
     return "\n".join(rows)
 
 
@@ -347,9 +397,10 @@ def plot_speed(axes, rows: list[dict]) -> None:
     axes.plot(sizes, [p["predicted_tokens_per_s"] for p in rows], color="tab:blue", marker=".", label="predicted")
     axes.scatter(sizes, [p["measured_tokens_per_s"] for p in rows], color="tab:orange", zorder=3, label="measured")
     chosen = next(p for p in rows if p["decoder"] == "medusa")
-    axes.axvline(chosen["tree_size"], color="tab:green", ls="--", lw=1, label=f"tree used: {chosen['tree_size']}")
+    axes.axvline(chosen["tree_size"], color="tab:green", ls="--", lw=1,
+                 label=f"MEDUSA: {chosen['tree_size']:.1f} candidates a step")
     axes.set_xscale("symlog", linthresh=4)
-    axes.set_xticks(sizes, [str(n) for n in sizes])
+    axes.set_xticks(sizes, [f"{n:g}" for n in sizes])
     axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes.set_xlim(-0.5, max(sizes) * 1.3 + 1)
     axes.set_xlabel("tree size (candidates; 0 = plain)")

@@ -20,14 +20,16 @@ import textwrap
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 from . import cache as kv
 from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import context_limit, prefill, propose, verify
+from .decoding import context_limit, guess, prefill, propose, verify
 from .default_model import cache_root
+from .guard import Ladder
 from .kernels import guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
@@ -112,29 +114,49 @@ class Calibration:
     paths: list[Node]  # the greedy order: paths[:n] is the best tree of n nodes
     sizes: list[int]  # tree sizes measured (candidates, root not counted), 0 first
     expected_tokens: list[float]  # 1 + expected acceptance, per size
-    latency_s: list[float]  # measured seconds per decoding step, per size
-    tokens_per_s: list[float]  # predicted: expected_tokens / latency_s
-    size: int  # the chosen size, >= 1
+    contexts: list[int]  # [C] context lengths the step latency was measured at, increasing
+    latency_s: list[list[float]]  # [C][sizes] measured seconds per decoding step
+    tokens_per_s: list[float]  # predicted at the middle context, contexts[C // 2]: expected_tokens / latency_s
+    size: int  # the chosen size, >= 1: the fastest predicted at the middle context
     guess_vocab: list[int] | None = None  # the tokens the heads guess from (kernels.set_guess_vocab); None: all
 
     @property
     def tree_paths(self) -> list[Node]:
         return self.paths[: self.size]
 
+    def ladder(self) -> Ladder:
+        """The trees `--tree auto` chooses among at run time (guard.py), starting from the chosen one."""
+        return ladder(torch.tensor(self.accuracy, dtype=torch.float64), self.sizes, self.contexts, self.latency_s,
+                      self.size)
 
-def choose_tree(accuracy: torch.Tensor, sizes: list[int], latencies: list[float]) -> Calibration:
-    """The tree size with the most predicted tokens/s. latencies[i]: step seconds with sizes[i] candidates."""
-    if len(latencies) != len(sizes) or len(sizes) < 2 or sizes[0] != 0 or sorted(set(sizes)) != sizes:
+
+def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latency_s: list[list[float]],
+           size: int) -> Ladder:
+    """The best tree of each of `sizes` (accuracy [K, S]), their expected tokens per step and step latency."""
+    paths, expected = grow_tree(accuracy, max(sizes))
+    return Ladder(trees=tuple(build(tuple(paths[:n])) for n in sizes),
+                  expected_tokens=tuple(1.0 + (expected[n - 1] if n else 0.0) for n in sizes),
+                  contexts=tuple(contexts), latency_s=tuple(map(tuple, latency_s)), start=sizes.index(size))
+
+
+def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]]
+                ) -> Calibration:
+    """The tree size with the most predicted tokens/s at the middle context. latencies[c][i]: step seconds with
+    sizes[i] candidates at contexts[c] tokens."""
+    if len(sizes) < 2 or sizes[0] != 0 or sorted(set(sizes)) != sizes:
         raise ValueError(f"latencies: need step times for sizes 0 < n1 < n2 < ..., got sizes {sizes!r}")
-    if min(latencies) <= 0:
+    if not contexts or len(latencies) != len(contexts) or any(len(row) != len(sizes) for row in latencies):
+        raise ValueError(f"latencies: need one step time per size at each of the contexts {contexts!r}")
+    if min(map(min, latencies)) <= 0:
         raise ValueError(f"latencies: step times must be positive, got {latencies!r}")
     paths, expected = grow_tree(accuracy, sizes[-1])
     if len(paths) < sizes[-1]:
         raise ValueError(f"latencies: size {sizes[-1]} measured, but the heads allow only {len(paths)} nodes")
     tokens = [1.0 + (expected[n - 1] if n else 0.0) for n in sizes]
-    speed = [t / s for t, s in zip(tokens, latencies)]
+    speed = [t / s for t, s in zip(tokens, latencies[len(contexts) // 2])]
     best = max(range(1, len(sizes)), key=speed.__getitem__)
-    return Calibration(accuracy.tolist(), paths, list(sizes), tokens, list(latencies), speed, sizes[best])
+    return Calibration(accuracy.tolist(), paths, list(sizes), tokens, list(contexts), [list(r) for r in latencies],
+                       speed, sizes[best])
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:
@@ -177,43 +199,56 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     return hits.double() / counts.clamp(min=1)[:, None]
 
 
-def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[float]:
-    """Median seconds of one full decoding step (propose, verify, greedy accept, commit) per tree.
+def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[int]:
+    """config.latency_contexts, each cut to what the model's context leaves room for beside the largest tree."""
+    room = context_limit(medusa.model) - max(t.num_nodes for t in trees)
+    return sorted({max(1, min(context, room)) for context in config.latency_contexts})
 
-    Timed on a prefix of config.latency_prefix tokens (less if the context is shorter), on the
-    model's device; the cache is cut back to the prefix after every step, so each starts alike.
-    The sizes take turns, so a burst of load from elsewhere slows all of them, not one.
+
+def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS,
+                         guessing: tuple[int, int] | None = None) -> tuple[list[int], list[list[float]]]:
+    """Median seconds of one full decoding step (guess, verify, greedy accept, commit) per tree, at each of the
+    contexts `latency_contexts` gives: (contexts [C], seconds [C][len(trees)]).
+
+    guessing: (top_k, depth) the heads guess in every step of a tree (as the guard has them guess for its whole
+    ladder); None: what each tree needs. The cache is cut back to the prefix after every step, so each starts
+    alike, and the trees take turns, so a burst of load from elsewhere slows all of them, not one.
     """
-    model, heads = medusa.model, medusa.heads
-    lm_head, device = guess_projection(model), model.device
-    prefix_len = max(1, min(config.latency_prefix, context_limit(model) - max(t.num_nodes for t in trees)))
-    prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
+    model, heads, device = medusa.model, medusa.heads, medusa.model.device
+    lm_head = guess_projection(model)
+    contexts = latency_contexts(medusa, trees, config)
     greedy_config = GenerationConfig()
 
     def synchronize():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def step(cache, hidden, root, tree: Tree) -> None:
-        candidates = propose(heads, lm_head, hidden, tree)
-        tokens = torch.cat([candidates.new_tensor([root]), candidates])
+    def step(cache, hidden, root, tree: Tree, prefix_len: int) -> None:
+        guesses = None
+        if tree.num_nodes > 1:
+            top_k, depth = guessing or (tree.topk_per_head(), tree.depth)
+            guesses = guess(heads, lm_head, hidden, top_k, depth)
+        tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, tree, device)])
         logits, _ = verify(model, cache, tokens, tree, prefix_len)
         path, _ = greedy(tokens, logits, tree, greedy_config)
         kv.commit(cache, prefix_len, path)
 
-    times, no_nodes = [[] for _ in trees], torch.empty(0, dtype=torch.long, device=device)
+    no_nodes, table = torch.empty(0, dtype=torch.long, device=device), []
     with torch.inference_mode():
-        cache, logits, hidden = prefill(model, prompt.to(device), prefix_len + max(t.num_nodes for t in trees))
-        root = int(logits.argmax())
-        for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
-            for tree, timed in zip(trees, times):
-                synchronize()
-                start = time.perf_counter()
-                step(cache, hidden, root, tree)
-                synchronize()
-                timed.append(time.perf_counter() - start)
-                kv.commit(cache, prefix_len, no_nodes)  # back to the prefix alone (not crop: it changed in 5.23)
-    return [statistics.median(timed[1:]) for timed in times]  # the first round is a warm-up
+        for prefix_len in contexts:
+            prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
+            cache, logits, hidden = prefill(model, prompt.to(device), prefix_len + max(t.num_nodes for t in trees))
+            root, times = int(logits.argmax()), [[] for _ in trees]
+            for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
+                for tree, timed in zip(trees, times):
+                    synchronize()
+                    start = time.perf_counter()
+                    step(cache, hidden, root, tree, prefix_len)
+                    synchronize()
+                    timed.append(time.perf_counter() - start)
+                    kv.commit(cache, prefix_len, no_nodes)  # back to the prefix alone (not crop: it changed in 5.23)
+            table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
+    return contexts, table
 
 
 def device_name(device: torch.device) -> str:
@@ -239,9 +274,12 @@ def setup(medusa) -> str:
 
 
 def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted."""
+    """The step latency of the greedy tree of each tried size up to max_nodes (the heads guessing for all of them,
+    as the guard has them), then the fastest predicted."""
     sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
-    return choose_tree(accuracy, sizes, measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
+    trees = greedy_trees(accuracy, sizes)
+    guessing = max(t.topk_per_head() for t in trees), max(t.depth for t in trees)
+    return choose_tree(accuracy, sizes, *measure_step_latency(medusa, trees, config, guessing))
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
@@ -277,9 +315,20 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     plot(calibration, directory, setup)
 
 
-def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None, torch.Tensor | None] | None:
-    """What `medusa calibrate` left beside the heads, if anything: the accuracy table [K, S], the setup it timed
-    and the tokens the heads guess from (None: all)."""
+FIT = ("sizes", "contexts", "latency_s", "size")  # a latency fit: what the guard's ladder is built from
+
+
+class HeadsCalibration(NamedTuple):
+    """What `medusa calibrate` left beside the heads."""
+
+    accuracy: torch.Tensor  # [K, S]
+    setup: str | None  # what the latency was measured on
+    guess_vocab: torch.Tensor | None  # the tokens the heads guess from; None: all
+    fit: dict | None  # FIT's fields, measured on `setup`; None where the record predates latency by context
+
+
+def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
+    """The heads' calibration (accuracy.json), if they have one."""
     path = Path(heads_dir) / ACCURACY_NAME
     if not path.is_file():
         return None
@@ -287,38 +336,39 @@ def read_accuracy(heads_dir: str | Path) -> tuple[torch.Tensor, str | None, torc
         record = json.loads(path.read_text())
         vocab = record.get("guess_vocab")
         vocab = None if vocab is None else torch.tensor(vocab, dtype=torch.long)
-        return torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab
+        fit = {name: record[name] for name in FIT} if "contexts" in record else None
+        return HeadsCalibration(torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab, fit)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
 
 
-def auto_tree(medusa, heads_dir: str | Path, calibration: tuple, config: CalibrateConfig = DEFAULTS) -> Tree:
-    """`--tree auto`: the tree fitted to these heads, this model and this device, from the heads' calibration
-    (`read_accuracy(heads_dir)`).
+def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, config: CalibrateConfig = DEFAULTS
+              ) -> Ladder:
+    """`--tree auto`: the trees fitted to these heads, this model and this device, from the heads' calibration
+    (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time.
 
-    The heads' own tree.json where it was calibrated on this very setup; else a tree fitted now (a few seconds
-    of latency measurement) and cached under cache_root()/trees, keyed by model, heads and setup.
+    The calibration's own latency fit where it was measured on this very setup; else one fitted now (seconds of
+    latency measurement) and cached under cache_root()/trees, keyed by model, heads, setup and what is measured.
     """
-    heads_dir = Path(heads_dir)
-    accuracy, calibrated_on, vocab = calibration
     here = setup(medusa)
-    if calibrated_on == here and (heads_dir / TREE_NAME).is_file():
-        return Tree.from_spec(json.loads((heads_dir / TREE_NAME).read_text()))
-    what = [medusa.model.name_or_path, asdict(medusa.heads.config), accuracy.tolist(), here,  # all the fit depends on
-            None if vocab is None else vocab.tolist()]
+    if calibration.setup == here and calibration.fit is not None:
+        return ladder(calibration.accuracy, **calibration.fit)
+    vocab = calibration.guess_vocab
+    what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here,
+            None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():
-        return Tree.from_spec(json.loads(cached.read_text())["tree"])
-    print(f"tree auto: fitting the tree to {here} (once; cached in {cached.parent})", file=sys.stderr)
-    calibration = fit_tree(medusa, accuracy, config)
+        return ladder(calibration.accuracy, **{name: json.loads(cached.read_text())[name] for name in FIT})
+    print(f"tree auto: fitting the trees to {here} (once; cached in {cached.parent})", file=sys.stderr)
+    fitted = fit_tree(medusa, calibration.accuracy, config)
     cached.parent.mkdir(parents=True, exist_ok=True)
-    record = {"tree": [list(p) for p in calibration.tree_paths], "setup": here, "model": medusa.model.name_or_path,
-              "heads": str(heads_dir), **{k: getattr(calibration, k) for k in ("sizes", "latency_s", "tokens_per_s")}}
+    record = {"tree": [list(p) for p in fitted.tree_paths], "setup": here, "model": medusa.model.name_or_path,
+              "heads": str(heads_dir), "tokens_per_s": fitted.tokens_per_s, **{name: getattr(fitted, name) for name in FIT}}
     tmp = cached.with_suffix(".tmp")
     tmp.write_text(json.dumps(record) + "\n")
     tmp.replace(cached)  # whole or not at all
-    return Tree.from_spec(record["tree"])
+    return fitted.ladder()
 
 
 def plot(calibration: Calibration, directory: Path, device: str) -> None:
@@ -393,22 +443,25 @@ def plot_tree(plt, calibration: Calibration, device: str):
 
 
 def plot_speed(plt, calibration: Calibration, device: str):
-    """Predicted tokens/s against tree size, the measured step latency on a second axis."""
+    """Predicted tokens/s against tree size at each measured context, the measured step latency on a second axis."""
     sizes = calibration.sizes
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    axes.plot(sizes, calibration.tokens_per_s, marker=".", color="tab:blue", label="predicted tokens/s")
-    axes.axhline(calibration.tokens_per_s[0], color="tab:blue", ls=":", lw=1, label="plain decoding (size 0)")
-    axes.axvline(calibration.size, color="tab:green", ls="--", lw=1, label=f"chosen: {calibration.size} candidates")
-    axes.set_xlabel("tree size (candidate nodes)")
-    axes.set_ylabel("predicted tokens / s", color="tab:blue")
     latency = axes.twinx()
-    latency.plot(sizes, [1000 * s for s in calibration.latency_s], color="tab:red", lw=1, label="measured step latency")
-    latency.set_ylabel("measured step latency (ms)", color="tab:red")
+    for c, (context, row) in enumerate(zip(calibration.contexts, calibration.latency_s)):
+        color = plt.cm.viridis(0.8 * c / max(len(calibration.contexts) - 1, 1))  # dark to green: no pale yellow
+        speed = [tokens / seconds for tokens, seconds in zip(calibration.expected_tokens, row)]
+        axes.plot(sizes, speed, marker=".", color=color, label=f"predicted tokens/s, {context}-token context")
+        axes.axhline(speed[0], color=color, ls=":", lw=1)
+        latency.plot(sizes, [1000 * s for s in row], color=color, ls="--", lw=1, label=f"step ms, {context} tokens")
+    axes.axvline(calibration.size, color="tab:green", ls="--", lw=1, label=f"chosen: {calibration.size} candidates")
+    axes.set_xlabel("tree size (candidate nodes; dotted: plain decoding)")
+    axes.set_ylabel("predicted tokens / s (solid)")
+    latency.set_ylabel("measured step latency, ms (dashed)")
     latency.set_ylim(bottom=0)
     lines = axes.get_legend_handles_labels()
     more = latency.get_legend_handles_labels()
-    axes.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=4,
-                fontsize=8, frameon=False)
+    axes.legend(lines[0] + more[0], lines[1] + more[1], loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3,
+                fontsize=7, frameon=False)
     axes.set_title(f"tree size vs speed: (1 + expected acceptance) / step latency\n{textwrap.fill(device, 100)}",
                    fontsize=9)
     return figure

@@ -65,6 +65,7 @@ def cmd_generate(args) -> None:
             "token_ids": out.token_ids,
             "steps": out.steps,
             "accept_lengths": out.accept_lengths,
+            "tree_sizes": out.tree_sizes,
             "tokens_per_s": out.tokens_per_s,
         }
         print(json.dumps(record))
@@ -116,9 +117,13 @@ def cmd_demo(args) -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     medusa = load(args)
     trained = heads_trained(medusa.heads)
+    trees = medusa.trees.trees
+    choice = (f"trees of {trees[0].num_nodes - 1} to {trees[-1].num_nodes - 1} candidates, picked each step by what pays "
+              f"(starting at {medusa.tree.num_nodes - 1})" if len(trees) > 1 else f"a tree of {medusa.tree.num_nodes - 1} "
+              "candidates")
     print(f"MEDUSA demo: {args.model or DEFAULT_MODEL.name}, {medusa.heads.config.num_heads} "
-          f"{'trained' if trained else 'untrained'} heads, a tree of {medusa.tree.num_nodes - 1} candidates "
-          f"(--tree {args.tree}), greedy, up to {config.max_new_tokens} new tokens per answer, on {setup(medusa)}")
+          f"{'trained' if trained else 'untrained'} heads, {choice} (--tree {args.tree}), greedy, up to "
+          f"{config.max_new_tokens} new tokens per answer, on {setup(medusa)}")
     print("heads: trained" if trained else UNTRAINED)
     medusa.generate(DEFAULT_MODEL.demo_prompts[0], config=config, max_new_tokens=3)  # warm-up, not timed
     rows = []
@@ -210,7 +215,7 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    report = benchmark(medusa, questions, config, accuracy=calibration[0] if calibration else None, sweep=sweep)
+    report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads))
@@ -235,16 +240,18 @@ def cmd_calibrate(args) -> None:
     print("        " + "".join(f"{f'r{i}':>7}" for i in range(len(result.accuracy[0]))))
     for k, row in enumerate(result.accuracy):
         print(f"head {k:<3}" + "".join(f"{a:>7.3f}" for a in row))
-    print(f"\n{'size':>4} {'tokens/step':>11} {'step ms':>8} {'tokens/s':>9}")
-    rows = zip(result.sizes, result.expected_tokens, result.latency_s, result.tokens_per_s)
-    for n, tokens, seconds, speed in rows:
-        print(f"{n:>4} {tokens:>11.3f} {1000 * seconds:>8.2f} {speed:>9.1f}{'  <- chosen' if n == result.size else ''}")
+    middle = result.contexts[len(result.contexts) // 2]
+    print(f"\nstep ms at contexts of {', '.join(map(str, result.contexts))} tokens; tokens/s predicted at {middle}")
+    print(f"{'size':>4} {'tokens/step':>11} " + "".join(f"{f'ms @{c}':>10}" for c in result.contexts) + f"{'tokens/s':>10}")
+    for i, (n, tokens, speed) in enumerate(zip(result.sizes, result.expected_tokens, result.tokens_per_s)):
+        latencies = "".join(f"{1000 * row[i]:>10.2f}" for row in result.latency_s)
+        print(f"{n:>4} {tokens:>11.3f} {latencies}{speed:>10.1f}{'  <- chosen' if n == result.size else ''}")
     output = args.output or args.heads
     save(result, output, setup(medusa))
     chosen = result.tokens_per_s[result.sizes.index(result.size)]
-    print(f"calibrate: a tree of {result.size} candidates, predicted {chosen:.1f} tokens/s "
+    print(f"calibrate: a tree of {result.size} candidates, predicted {chosen:.1f} tokens/s at {middle} tokens "
           f"(plain {result.tokens_per_s[0]:.1f}) on {setup(medusa)} -> {output}/tree.json, {ACCURACY_NAME}, "
-          f"{', '.join(PLOT_NAMES.values())}", file=sys.stderr)
+          f"{', '.join(PLOT_NAMES.values())}; `--tree auto` moves between the sizes step by step", file=sys.stderr)
     if result.tokens_per_s[0] > chosen:
         print("calibrate: plain decoding is predicted faster on this device: the heads' guesses do not pay for "
               "the extra work (train them longer, or decode plainly: GenerationConfig(medusa=False))", file=sys.stderr)

@@ -179,15 +179,20 @@ class CalibrateConfig:
     max_positions: int = 4096  # answer positions measured; enough for a table to 1-2 points
     max_length: int = 1024  # tokens per conversation (longer ones are cut)
     batch_size: int = 4
-    latency_prefix: int = 256  # prefix length the step latency is timed at: a typical mid-answer context
+    # context lengths the step latency is timed at (attention grows with the context, and with it a tree step's cost
+    # against a plain one's: on a 2-core EPYC a 3-candidate step costs 1.10 plain steps at 64 tokens, 1.23 at 2048);
+    # the guard interpolates between them, the tree chosen for the middle one
+    latency_contexts: tuple[int, ...] = (128, 512, 2048)
     latency_repeats: int = 7  # timed steps per tree size; the median is kept
     guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
-        for name in ("top_k", "max_nodes", "max_positions", "max_length", "batch_size", "latency_prefix",
-                     "latency_repeats"):
+        for name in ("top_k", "max_nodes", "max_positions", "max_length", "batch_size", "latency_repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if not self.latency_contexts or not all(isinstance(n, int) and n >= 1 for n in self.latency_contexts):
+            raise ValueError(f"latency_contexts must be positive integers, got {self.latency_contexts!r}")
+        object.__setattr__(self, "latency_contexts", tuple(self.latency_contexts))
         if not isinstance(self.guess_vocab, int) or not (self.guess_vocab == 0 or self.guess_vocab >= self.top_k):
             raise ValueError(f"guess_vocab must be 0 (the whole vocabulary) or at least top_k ({self.top_k}), "
                              f"got {self.guess_vocab!r}")

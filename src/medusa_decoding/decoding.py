@@ -2,9 +2,11 @@
 
 Works on any `transformers` causal LM through its own interface: the backbone (`model.base_model`)
 takes a 4D attention mask, explicit position ids and a DynamicCache, so the whole tree is verified in
-one forward pass with no patched model code. Batch size 1, as in the MEDUSA paper.
+one forward pass with no patched model code. Batch size 1, as in the MEDUSA paper. Which tree a step verifies is
+the guard's choice (guard.py) under `--tree auto`, else always the one given.
 """
 
+import time
 from collections.abc import Iterator
 
 import torch
@@ -13,6 +15,7 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
+from .guard import Guard, Ladder
 from .heads import MedusaHeads
 from .kernels import guess_projection
 from .tree import Tree, build
@@ -56,12 +59,16 @@ def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Te
     return cache, logits[-1], hidden[-1]
 
 
-def propose(heads: MedusaHeads, lm_head, hidden: torch.Tensor, tree: Tree) -> torch.Tensor:
-    """hidden: [H] -> candidate tokens [N] for the non-root nodes: head/rank given by the tree."""
+def guess(heads: MedusaHeads, lm_head, hidden: torch.Tensor, top_k: int, depth: int) -> torch.Tensor:
+    """hidden: [H] -> the first `depth` heads' top-k token ids [depth, top_k]."""
+    return heads.guesses(hidden, lm_head, top_k, num_heads=depth)
+
+
+def propose(guesses: torch.Tensor | None, tree: Tree, device) -> torch.Tensor:
+    """guesses [D, k] -> candidate tokens [N] for the non-root nodes: head/rank given by the tree."""
     if tree.num_nodes == 1:
-        return hidden.new_empty(0, dtype=torch.long)
-    top = heads.guesses(hidden, lm_head, tree.topk_per_head(), num_heads=tree.depth)  # [D, k]
-    return top[tree.heads, tree.ranks]
+        return torch.empty(0, dtype=torch.long, device=device)
+    return guesses[tree.heads, tree.ranks]
 
 
 def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -85,39 +92,49 @@ def decode(
     heads: MedusaHeads | None,
     prompt: torch.Tensor,
     config: GenerationConfig,
-    tree: Tree,
+    trees: Tree | Ladder,
     eos_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
-) -> Iterator[list[int]]:
-    """Yields the tokens of each forward pass: one from the prefill, then 1 + accepted per step.
+) -> Iterator[tuple[list[int], int]]:
+    """Yields the tokens of each forward pass and how many candidates it verified: the prefill's one token (0),
+    then 1 + accepted per step.
 
-    prompt: [T] token ids. Stops after max_new_tokens tokens or at an EOS token (which is yielded).
+    prompt: [T] token ids. trees: one tree, or a Ladder of trees of which a Guard picks one per step (`--tree
+    auto`). Stops after max_new_tokens tokens or at an EOS token (which is yielded).
     """
     check_context(model, prompt.shape[-1], config.max_new_tokens)
-    tree = tree if config.medusa else PLAIN
-    if tree.num_nodes > 1:
-        tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
+    ladder = Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
+    for tree in ladder.trees:
+        if tree.num_nodes > 1:
+            tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
     rule = RULES[config.rule]
     lm_head = guess_projection(model)  # the heads' guesses only; the model's logits come from its own LM head
+    device = prompt.device
     with torch.inference_mode():
         # the cache holds at most the prompt, every new token but the last, and one tree
-        cache, logits, hidden = prefill(model, prompt, prompt.shape[-1] + config.max_new_tokens + tree.num_nodes)
+        capacity = prompt.shape[-1] + config.max_new_tokens + max(tree.num_nodes for tree in ladder.trees)
+        cache, logits, hidden = prefill(model, prompt, capacity)
         root = first_token(logits, config, generator)
+        guard = Guard(ladder, root)
         prefix_len, produced = prompt.shape[-1], 1
-        yield [root]
+        yield [root], 0
         while produced < config.max_new_tokens and root not in eos_ids:
+            start = time.perf_counter()
+            tree, guessing = guard.choose(prefix_len)
             step_tree = tree.truncated(config.max_new_tokens - produced - 1)  # never guess past the budget
-            candidates = propose(heads, lm_head, hidden, step_tree)
-            tokens = torch.cat([candidates.new_tensor([root]), candidates])  # [N+1]
+            guesses = guess(heads, lm_head, hidden, guard.top_k, guard.depth) if guessing else None
+            tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, step_tree, device)])  # [N+1]
             logits, hidden_all = verify(model, cache, tokens, step_tree, prefix_len)
             path, root = rule(tokens, logits, step_tree, config, generator)
-            kv.commit(cache, prefix_len, path.to(tokens.device))
-            prefix_len += len(path)
+            kv.commit(cache, prefix_len, path.to(device))
             hidden = hidden_all[path[-1]]
             new = tokens[path[1:]].tolist() + [root]
             for i, token in enumerate(new):
                 if token in eos_ids:
                     new, root = new[: i + 1], token
                     break
+            seconds = time.perf_counter() - start if step_tree is tree else None  # a cut tree is not the ladder's
+            guard.record(guesses, new, seconds, prefix_len)
+            prefix_len += len(path)
             produced += len(new)
-            yield new
+            yield new, step_tree.num_nodes - 1

@@ -11,6 +11,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from . import default_model, formats
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
 from .decoding import decode
+from .guard import Ladder
 from .heads import MedusaHeads
 from .kernels import resolve_kernels, set_guess_vocab, use_kernels
 from .tree import Tree
@@ -29,12 +31,15 @@ ADAPTER_NAME = "adapter"  # and `medusa train --mode medusa2` its LoRA adapter
 
 @dataclass
 class GenerationOutput:
-    """What one request produced. accept_lengths: tokens per forward pass, the prefill's 1 first."""
+    """What one request produced. accept_lengths: tokens per forward pass, the prefill's 1 first; tree_sizes: the
+    candidates each of those passes verified (the prefill's 0 first; `--tree auto` picks them step by step)."""
 
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     accept_lengths: list[int] = field(default_factory=list)
+    tree_sizes: list[int] = field(default_factory=list)
     text: str = ""
     seconds: float = 0.0
+    first_token_seconds: float = 0.0  # the prefill, to the first token
 
     @property
     def steps(self) -> int:
@@ -49,25 +54,46 @@ class GenerationOutput:
         return len(self.token_ids) / self.seconds if self.seconds else 0.0
 
 
+class Step(NamedTuple):
+    """One forward pass, as `MedusaModel.steps` yields it."""
+
+    tokens: list[int]  # the tokens it produced (stop strings applied)
+    text: str  # the whole answer so far
+    tree_size: int  # the candidates it verified (0: a plain step, or the prefill)
+
+
 class MedusaModel:
     def __init__(
         self,
         model: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase,
         heads: MedusaHeads,
-        tree: Tree | None = None,
+        tree: Tree | Ladder | None = None,
         kernels: str = "stock",
     ):
-        """kernels: what runs the model (kernels.py); anything but "stock" changes `model` in place."""
+        """tree: the one every step verifies, or a Ladder the guard picks from step by step (`--tree auto`);
+        kernels: what runs the model (kernels.py); anything but "stock" changes `model` in place."""
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
-        self.tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
-        self.tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
+        tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
+        self.trees = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
+        for each in self.trees.trees:
+            each.check_heads(heads.config.num_heads, heads.config.vocab_size)
         self.eos_ids = eos_ids(model, tokenizer)
+
+    @property
+    def tree(self) -> Tree:
+        """The tree decoding starts with (under `--tree auto` the guard moves from it); setting one fixes it."""
+        return self.trees.tree
+
+    @tree.setter
+    def tree(self, tree: Tree) -> None:
+        tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
+        self.trees = Ladder.fixed(tree)
 
     @classmethod
     def from_pretrained(
@@ -87,7 +113,8 @@ class MedusaModel:
         default's shipped heads, else untrained). A MEDUSA-2 training output may stand for both.
 
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
-            "auto": the tree fitted to this device from the heads' calibration (calibrate.auto_tree), else None's.
+            "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
+            a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
         kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native" or
             "compiled" (the backbone through torch.compile: its first calls compile for minutes on a small CPU).
@@ -128,10 +155,10 @@ class MedusaModel:
             from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
 
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
-                if (vocab := calibration[2]) is not None:
+                if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
                 if tree == "auto":
-                    medusa.tree = auto_tree(medusa, heads_dir, calibration)  # after the kernels: they set the latency
+                    medusa.trees = auto_tree(medusa, heads_dir, calibration)  # after the kernels: they set the latency
         return medusa
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
@@ -160,8 +187,9 @@ class MedusaModel:
             raise ValueError("the prompt is empty: nothing to continue")
         return ids.to(self.model.device)
 
-    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None):
-        """Yields (new token ids, text so far) after each forward pass, stop strings applied."""
+    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None
+              ) -> Iterator[Step]:
+        """Yields a Step after each forward pass, stop strings applied."""
         ids = self.encode(prompt, messages=messages, raw=raw)
         generator = None
         if config.temperature > 0:
@@ -170,7 +198,7 @@ class MedusaModel:
         if streamer is not None:
             streamer.put(ids[None].cpu())
         generated: list[int] = []
-        for new in decode(self.model, self.heads, ids, config, self.tree, self.eos_ids, generator):
+        for new, tree_size in decode(self.model, self.heads, ids, config, self.trees, self.eos_ids, generator):
             start = len(generated)
             generated += new
             text = self.decode(generated)
@@ -180,7 +208,7 @@ class MedusaModel:
                 new, generated, text = new[: end - start], generated[:end], text[:stop_at]
             if streamer is not None:
                 streamer.put(torch.tensor(new))
-            yield new, text
+            yield Step(new, text, tree_size)
             if stop_at is not None:
                 break
         if streamer is not None:
@@ -194,9 +222,12 @@ class MedusaModel:
         config = replace(config or GenerationConfig(), **overrides)
         out = GenerationOutput()
         start = time.perf_counter()
-        for new, out.text in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
-            out.token_ids += new
-            out.accept_lengths.append(len(new))
+        for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
+            out.first_token_seconds = out.first_token_seconds or time.perf_counter() - start
+            out.token_ids += step.tokens
+            out.accept_lengths.append(len(step.tokens))
+            out.tree_sizes.append(step.tree_size)
+            out.text = step.text
         out.seconds = time.perf_counter() - start
         return out
 
@@ -208,10 +239,10 @@ class MedusaModel:
                 yield piece
 
 
-def text_pieces(steps, stops: tuple[str, ...]) -> Iterator[tuple[list[int], str]]:
+def text_pieces(steps: Iterator[Step], stops: tuple[str, ...]) -> Iterator[tuple[list[int], str]]:
     """(new token ids, text safe to show) per step of `MedusaModel.steps`, then ([], the held-back rest)."""
     sent, text = 0, ""
-    for new, text in steps:
+    for new, text, _ in steps:
         ready = max(len(text) - held_back(text, stops), sent)
         yield new, text[sent:ready]
         sent = ready

@@ -1,0 +1,168 @@
+"""`--tree auto` at run time: each step, the tree of a calibrated ladder that pays most on this prompt, down to
+plain one-token steps.
+
+Calibration (calibrate.py) predicts, for the best tree of each size (0: plain decoding), the tokens a step yields
+(from the heads' accuracy on its data) and the step's latency at several context lengths (on the kernels that
+run). A prompt unlike the calibration data (code, another language) makes the first prediction wrong, the machine
+of the moment the second: the guard corrects both from what the running request shows, and before each step
+picks the tree with the most expected tokens per second.
+
+- Tokens per step, of every tree at once: a step's guesses (each head's top-k) are kept until the tokens they
+  guessed are known. Those tokens are the same whichever tree verifies them (exactly at temperature 0; when
+  sampling, in distribution: rejection sampling accepts a set of siblings with the probability that the drawn
+  token is one of them), so the guesses tell how many tokens each tree of the ladder would have yielded at that
+  step, without running it. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the
+  guard sees when they are worth it again.
+- Step time: each step's measured time against its tree's calibrated latency at its context. A tree not run
+  lately is expected to keep its calibrated ratio to the one running; and while trees run, every EXPLORE_EVERY-th
+  step is a plain one, so that the baseline they must beat is timed in this very request.
+
+Every step is verified as before: greedy output is identical whatever the guard picks.
+"""
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from .tree import Tree
+
+SMOOTHING = 1 / 16  # weight of a new observation in the running estimates: they follow about the last 16 steps
+FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
+PROBE_EVERY = 4  # while decoding plainly, the heads guess every this many steps
+EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one (timed; costs ~0.6% where trees win 25%)
+TIME_CLIP = 2.0  # a step's time counts at most this factor away from its tree's estimate (a preempted step)
+
+
+@dataclass(frozen=True)
+class Ladder:
+    """The trees the guard chooses among, smallest first, each holding the nodes of those before it, and what the
+    calibration predicts of them. expected_tokens[i]: tokens per step of trees[i]; latency_s[c][i]: its step
+    seconds at contexts[c] tokens (increasing); start: the tree used before the request has shown anything.
+
+    >>> Ladder.fixed(Tree.from_spec([[0], [1]])).latency(300)   # an explicit tree: nothing to choose
+    [1.0]
+    """
+
+    trees: tuple[Tree, ...]
+    expected_tokens: tuple[float, ...]
+    contexts: tuple[int, ...]
+    latency_s: tuple[tuple[float, ...], ...]
+    start: int
+
+    def __post_init__(self):
+        n = len(self.trees)
+        if not n or len(self.expected_tokens) != n or not 0 <= self.start < n:
+            raise ValueError(f"ladder: {n} trees, {len(self.expected_tokens)} expected yields, start {self.start}")
+        if list(self.contexts) != sorted(set(self.contexts)) or len(self.latency_s) != len(self.contexts):
+            raise ValueError(f"ladder: contexts must increase, one latency row each, got {list(self.contexts)}")
+        if any(len(row) != n or min(row) <= 0 for row in self.latency_s):
+            raise ValueError("ladder: a positive step latency for every tree at every context")
+        for smaller, larger in zip(self.trees, self.trees[1:]):
+            if not set(smaller.paths) <= set(larger.paths):
+                raise ValueError("ladder: every tree must hold the nodes of the smaller ones")
+
+    @staticmethod
+    def fixed(tree: Tree) -> "Ladder":
+        """One tree, always: an explicit tree, or plain decoding."""
+        return Ladder((tree,), (1.0,), (0,), ((1.0,),), 0)
+
+    @property
+    def tree(self) -> Tree:
+        return self.trees[self.start]
+
+    def latency(self, context: int) -> list[float]:
+        """Step seconds of every tree at `context` tokens: linear between the measured contexts, flat beyond."""
+        contexts, rows = self.contexts, self.latency_s
+        if context <= contexts[0] or len(contexts) == 1:
+            return list(rows[0])
+        if context >= contexts[-1]:
+            return list(rows[-1])
+        c = next(c for c in range(1, len(contexts)) if contexts[c] >= context)
+        w = (context - contexts[c - 1]) / (contexts[c] - contexts[c - 1])
+        return [a + w * (b - a) for a, b in zip(rows[c - 1], rows[c])]
+
+
+class Guard:
+    """One request's tree for each step. With a fixed ladder it always picks that tree and watches nothing."""
+
+    def __init__(self, ladder: Ladder, root: int):
+        trees = ladder.trees
+        self.ladder, self.choice = ladder, ladder.start
+        self.watching = len(trees) > 1
+        self.top_k = max(tree.topk_per_head() for tree in trees)  # what the heads guess: enough for every tree
+        self.depth = max(tree.depth for tree in trees)
+        self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree
+        self.time_factor: list[float | None] = [None] * len(trees)  # measured / calibrated step time, per tree
+        self.first: dict[tuple[int, ...], int] = {}  # node path -> the first tree that holds it
+        for index, tree in enumerate(trees):
+            for path in tree.paths:
+                self.first.setdefault(path, index)
+        self.generated = [root]
+        self.pending: deque[tuple[int, list[list[int]]]] = deque()  # (where the guessed tokens start, guesses)
+        self.plain_steps = self.tree_steps = 0
+        self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
+
+    def choose(self, context: int) -> tuple[Tree, bool]:
+        """The tree of the next step at `context` tokens, and whether the heads guess in it (to propose, or to
+        probe while decoding plainly)."""
+        if self.watching:
+            latency = self.ladder.latency(context)
+            seen = self.time_factor[self.choice] or 1.0  # trees not run yet: their calibrated latency ratio
+            self.choice = max(range(len(latency)),
+                              key=lambda i: self.tokens[i] / ((self.time_factor[i] or seen) * latency[i]))
+        tree = self.ladder.trees[self.choice]
+        if tree.num_nodes == 1:
+            self.plain_steps += 1
+            return tree, self.watching and self.plain_steps % PROBE_EVERY == 0
+        self.tree_steps += 1
+        if self.watching and self.explores and self.tree_steps % EXPLORE_EVERY == 0:
+            self.choice = 0  # its time is plain's: no guesses in it
+            return self.ladder.trees[0], False
+        return tree, True
+
+    def record(self, guesses: torch.Tensor | None, new: list[int], seconds: float | None, context: int) -> None:
+        """After a step: its guesses ([depth, top_k] token ids, or None), the tokens it produced, its seconds (None:
+        not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
+        if not self.watching:
+            return
+        if guesses is not None:
+            self.pending.append((len(self.generated), guesses.tolist()))
+        self.generated += new
+        while self.pending and self.pending[0][0] + self.depth <= len(self.generated):
+            self.count_tokens(*self.pending.popleft())
+        if seconds is not None:
+            self.time_step(seconds / self.ladder.latency(context)[self.choice])
+
+    def count_tokens(self, start: int, guesses: list[list[int]]) -> None:
+        """Updates each tree's tokens per step with what it would have yielded at the step whose guesses were for
+        generated[start:]."""
+        for i, tokens in enumerate(yields(guesses, self.generated[start:], self.first, len(self.tokens))):
+            self.tokens[i] += SMOOTHING * (tokens - self.tokens[i])
+
+    def time_step(self, ratio: float) -> None:
+        """A step of the chosen tree took `ratio` times its calibrated latency; what was seen of others fades."""
+        factors, i = self.time_factor, self.choice
+        known = [factor for factor in factors if factor is not None]
+        reference = factors[i] or (sum(known) / len(known) if known else ratio)
+        ratio = min(max(ratio, reference / TIME_CLIP), reference * TIME_CLIP)
+        factors[i] = ratio if factors[i] is None else factors[i] + SMOOTHING * (ratio - factors[i])
+        for j, factor in enumerate(factors):
+            if j != i and factor is not None:
+                factors[j] = factor + FADING * (factors[i] - factor)
+
+
+def yields(guesses: list[list[int]], tokens: list[int], first: dict[tuple[int, ...], int], trees: int) -> list[int]:
+    """The tokens each of `trees` nested trees yields at a step: guesses [depth][k] (each head's top-k), tokens the
+    ones that followed the root, first[path] the first tree holding that node. Greedy verification accepts the
+    longest path of right guesses a tree holds, and adds one token of its own.
+
+    >>> yields([[7, 8], [5, 9]], [8, 5], {(0,): 0, (1,): 1, (1, 0): 2}, 3)   # (1,) right, then (1, 0)
+    [1, 2, 3]
+    """
+    depths, node = [], ()  # along the guesses right in a row: the first tree holding each node
+    for guessed, token in zip(guesses, tokens):
+        if token not in guessed or (node := node + (guessed.index(token),)) not in first:
+            break
+        depths.append(first[node])
+    return [1 + sum(tree >= depth for depth in depths) for tree in range(trees)]

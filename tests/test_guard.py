@@ -1,0 +1,186 @@
+"""The guard of `--tree auto`: the ladder's latency model; what each tree would have yielded at a step, checked
+against real verification; the trees it picks from what a request shows (plain steps where the heads are wrong,
+large trees where they are right, the faster tree where one runs slow); output that stays exactly greedy."""
+
+import pytest
+import torch
+from conftest import FAMILIES
+from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+
+from medusa_decoding import decoding
+from medusa_decoding import guard as guard_module
+from medusa_decoding.config import GenerationConfig
+from medusa_decoding.decoding import PLAIN, decode
+from medusa_decoding.guard import EXPLORE_EVERY, PROBE_EVERY, TIME_CLIP, Guard, Ladder, yields
+from medusa_decoding.tree import Tree, build
+
+PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
+NEW_TOKENS = 96
+ORDER = [(0,), (1,), (0, 0), (2,), (0, 1), (0, 0, 0), (1, 0), (0, 0, 0, 0)]  # prefix-closed in every prefix
+SIZES = (0, 1, 2, 3, 5, 8)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def make_ladder(expected=None, latency=None, contexts=(100,), start=2) -> Ladder:
+    """The best trees of SIZES along ORDER. Defaults: a tree yields 1 + 0.3 a node, costs 1 + 0.05 a node."""
+    trees = tuple(build(tuple(ORDER[:n])) for n in SIZES)
+    expected = expected or tuple(1 + 0.3 * n for n in SIZES)
+    latency = latency or tuple(tuple(1 + 0.05 * n for n in SIZES) for _ in contexts)
+    return Ladder(trees, tuple(expected), tuple(contexts), tuple(latency), start)
+
+
+def sizes_used(model, heads, ladder: Ladder, reference: list[int]) -> list[int]:
+    """Decodes with the guard; asserts the output is the greedy reference; returns each step's tree size."""
+    steps = list(decode(model, heads, PROMPT, GenerationConfig(max_new_tokens=len(reference)), ladder))
+    assert [t for new, _ in steps for t in new] == reference
+    return [size for _, size in steps[1:]]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    model = lively_model("llama")
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
+    return model, reference, OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]))
+
+
+def test_latency_is_linear_between_the_measured_contexts_and_flat_beyond():
+    ladder = make_ladder(contexts=(100, 300), latency=((1.0,) * 6, tuple(2.0 + n for n in SIZES)))
+    assert ladder.latency(50) == ladder.latency(100) == [1.0] * 6
+    assert ladder.latency(200) == pytest.approx([1.5 + n / 2 for n in SIZES])
+    assert ladder.latency(1000) == [2.0 + n for n in SIZES]
+    assert Ladder.fixed(build(ORDER[:3])).trees == (build(ORDER[:3]),)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"trees": (build(ORDER[:2]), build(((0,), (2,)))) * 3}, "hold the nodes"),
+    ({"expected_tokens": (1.0, 1.3)}, "expected yields"),
+    ({"start": 6}, "start"),
+    ({"contexts": (300, 100), "latency_s": ((1.0,) * 6,) * 2}, "contexts must increase"),
+    ({"contexts": (100, 300)}, "one latency row each"),
+    ({"latency_s": ((1.0, 1.0, 0.0, 1.0, 1.0, 1.0),)}, "positive step latency"),
+])
+def test_a_malformed_ladder_is_refused(change, message):
+    good = make_ladder()
+    fields = {name: getattr(good, name) for name in ("trees", "expected_tokens", "contexts", "latency_s", "start")}
+    with pytest.raises(ValueError, match=message):
+        Ladder(**{**fields, **change})
+
+
+def test_yields_by_hand():
+    first = {path: i for i, path in enumerate(ORDER)}  # tree i holds ORDER[: i + 1]
+    guesses = [[7, 8, 9], [5, 6, 4], [3, 2, 1], [1, 1, 1]]
+    assert yields(guesses, [7, 5, 3, 1], first, 8) == [2, 2, 3, 3, 3, 4, 4, 5]  # (0,), (0,0), (0,0,0), (0,0,0,0)
+    assert yields(guesses, [8, 5, 3, 1], first, 8) == [1, 2, 2, 2, 2, 2, 3, 3]  # (1,), then (1,0); (1,0,0) in none
+    assert yields(guesses, [9, 6, 0, 0], first, 8) == [1, 1, 1, 2, 2, 2, 2, 2]  # (2,); (2,1) in none
+    assert yields(guesses, [0, 5, 3, 1], first, 8) == [1] * 8  # head 0 wrong: nothing, whatever follows
+    assert yields(guesses, [7, 5], first, 8) == [2, 2, 3, 3, 3, 3, 3, 3]  # the end of the answer
+
+
+def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, monkeypatch):
+    """For every step the guard watched, decode again from the prompt up to that step's root with each tree of the
+    ladder: the tokens its first verification yields are the ones the guard counted for that tree."""
+    model, reference, oracle = llama
+    ladder = make_ladder()
+    seen = []
+    count = Guard.count_tokens
+
+    def watched(guard, start, guesses):
+        seen.append((start, yields(guesses, guard.generated[start:], guard.first, len(ladder.trees))))
+        count(guard, start, guesses)
+
+    monkeypatch.setattr(Guard, "count_tokens", watched)
+    sizes_used(model, oracle, ladder, reference)
+    assert len(seen) > 20 and any(len(set(ys)) > 2 for _, ys in seen)  # trees that differ in what they yield
+    config = GenerationConfig(max_new_tokens=ladder.trees[-1].depth + 2)
+    for start, ys in seen[::3]:
+        prompt = torch.cat([PROMPT, torch.tensor(reference[: start - 1], dtype=torch.long)])  # root: reference[start-1]
+        for tree, expected in zip(ladder.trees, ys):
+            (root, _), (step, size), *_ = decode(model, oracle, prompt, config, tree)
+            assert root == reference[start - 1:start] and size == tree.num_nodes - 1
+            assert len(step) == expected, (start, tree.paths)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("heads", ["random", "oracle"])
+def test_greedy_output_is_exact_whatever_the_guard_picks(family, heads):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
+    draft = random_heads(model) if heads == "random" else OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]))
+    used = sizes_used(model, draft, make_ladder(), reference)
+    assert len(set(used)) > 1  # the guard moved between trees
+
+
+def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monkeypatch):
+    """Heads that never propose the right token, under a calibration that promised a lot: plain steps soon (every
+    tree yields one token then, and costs more), the heads still guessing every PROBE_EVERY-th of them."""
+    model, reference, oracle = llama
+    wrong = OracleHeads(model, oracle.sequence)
+    wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
+    guess, choose, guessed, chosen, guards = decoding.guess, Guard.choose, [], [], set()
+    monkeypatch.setattr(decoding, "guess", lambda *args: guessed.append(1) or guess(*args))
+    monkeypatch.setattr(Guard, "choose", lambda guard, context: guards.add(guard) or chosen.append(choose(guard, context))
+                        or chosen[-1])
+    promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES), start=5)  # the largest tree, 1 + 0.5 a node
+    used = sizes_used(model, wrong, promised, reference)
+    late = used[len(used) // 2:]
+    assert late.count(0) / len(late) > 0.8
+    (guard,) = guards
+    timing_plain = guard.tree_steps // EXPLORE_EVERY  # plain steps between trees, to time plain: never guessing
+    assert sum(tree is PLAIN for tree, _ in chosen) == guard.plain_steps + timing_plain
+    assert all(guessing for tree, guessing in chosen if tree is not PLAIN)
+    assert sum(guessing for tree, guessing in chosen if tree is PLAIN) == guard.plain_steps // PROBE_EVERY
+    assert len(guessed) == sum(guessing for _, guessing in chosen)
+
+
+def test_right_heads_grow_the_tree_a_pessimistic_calibration_started_small(llama):
+    model, reference, oracle = llama
+    doubtful = make_ladder(expected=(1.0,) * len(SIZES), start=0)  # calibrated: the heads never help; plain first
+    used = sizes_used(model, oracle, doubtful, reference)
+    assert used[0] == 0 and sum(used[len(used) // 2:]) / len(used[len(used) // 2:]) >= 3
+    assert len(reference) / (len(used) + 1) > 1.5  # tokens per forward pass
+
+
+def test_trees_that_run_slower_than_calibrated_lose_to_plain_steps_timed_beside_them():
+    """Calibrated, the trees win by a little (1 + 0.06 tokens a node at 1 + 0.05 a node); this machine runs them 1.6x
+    slower than that, and plain steps as calibrated. Timing the plain steps it takes between trees, the guard turns
+    to plain."""
+    ladder = make_ladder(expected=tuple(1 + 0.06 * n for n in SIZES))
+    guard = Guard(ladder, root=0)
+    picks = []
+    for _ in range(400):
+        tree, _ = guard.choose(100)
+        picks.append(tree.num_nodes - 1)
+        seconds = ladder.latency(100)[guard.choice] * (1.0 if tree.num_nodes == 1 else 1.6)
+        guard.record(None, [1], seconds, 100)  # no guesses: the yields stay the calibrated ones
+    assert picks[0] == 8 and picks[EXPLORE_EVERY - 1] == 0  # the largest tree, then a plain step to time plain
+    assert picks[-200:].count(0) > 150  # mostly plain; a tree now and then, as what was seen of it fades
+    assert guard.time_factor[0] == pytest.approx(1.0, abs=0.02) and max(f for f in guard.time_factor if f) <= 1.6 + 1e-9
+
+
+def test_trees_timed_as_calibrated_keep_running():
+    ladder = make_ladder()
+    guard = Guard(ladder, root=0)
+    for _ in range(200):
+        tree, _ = guard.choose(100)
+        guard.record(None, [1], ladder.latency(100)[guard.choice] * 1.3, 100)  # a slower machine: all alike
+    assert guard.choice == len(SIZES) - 1
+
+
+def test_one_preempted_step_moves_the_estimate_by_at_most_a_bounded_factor():
+    guard = Guard(make_ladder(), root=0)
+    guard.choose(100)
+    calibrated = guard.ladder.latency(100)[guard.choice]
+    guard.record(None, [1], calibrated, 100)  # as calibrated
+    guard.record(None, [1], 1000 * calibrated, 100)  # a step the OS preempted
+    factor = guard.time_factor[guard.choice]
+    assert factor == pytest.approx(1 + guard_module.SMOOTHING * (TIME_CLIP - 1))
+
+
+def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():
+    tree = build(ORDER[:3])
+    guard = Guard(Ladder.fixed(tree), root=0)
+    for _ in range(5):
+        assert guard.choose(100) == (tree, True)
+        guard.record(None, [1, 2], 0.5, 100)
+    assert not guard.pending and guard.generated == [0] and Guard(Ladder.fixed(PLAIN), 0).choose(5) == (PLAIN, False)
