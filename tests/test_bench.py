@@ -213,6 +213,11 @@ def test_read_questions_filters_and_limits(tmp_path):
     assert [q.question_id for q in read_questions(path, per_category=1)] == ["1", "2"]
     assert [q.question_id for q in read_questions(path, per_category=1, limit=1)] == ["1"]
     assert read_questions(path)[0].turns == ("w10 w11 w12", "w13 w14")
+    other = write_questions(tmp_path / "other.jsonl", [{"question_id": 9, "category": "poetry", "turns": ["w1"]}])
+    both = read_questions([path, other], ["poetry", "coding"])  # several files, in order; a category of either
+    assert [(q.question_id, q.category) for q in both] == [("2", "coding"), ("9", "poetry")]
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        read_questions([path, tmp_path / "missing.jsonl"])
 
 
 @pytest.mark.parametrize(

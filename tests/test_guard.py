@@ -172,9 +172,13 @@ def test_one_preempted_step_moves_the_estimate_by_at_most_a_bounded_factor():
     guard.choose(100)
     calibrated = guard.ladder.latency(100)[guard.choice]
     guard.record(None, [1], calibrated, 100)  # as calibrated
-    guard.record(None, [1], 1000 * calibrated, 100)  # a step the OS preempted
-    factor = guard.time_factor[guard.choice]
-    assert factor == pytest.approx(1 + guard_module.SMOOTHING * (TIME_CLIP - 1))
+    guard.record(None, [1], 1000 * calibrated, 100)  # a step the OS preempted, early: a running mean's weight
+    assert guard.time_factor[guard.choice] == pytest.approx(1 + (TIME_CLIP - 1) / (guard_module.PRIOR_WEIGHT + 2))
+    for _ in range(40):
+        guard.record(None, [1], calibrated, 100)
+    before = guard.time_factor[guard.choice]
+    guard.record(None, [1], 1000 * calibrated, 100)  # later: the smoothed estimate's weight
+    assert guard.time_factor[guard.choice] - before == pytest.approx(guard_module.SMOOTHING * (TIME_CLIP * before - before))
 
 
 def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():

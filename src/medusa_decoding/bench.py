@@ -81,24 +81,29 @@ def parse_question(line: str, path: Path, number: int) -> Question:
     return Question(str(name), str(record.get("category") or UNCATEGORIZED), tuple(turns))
 
 
-def read_questions(path, categories=None, limit: int | None = None, per_category: int | None = None) -> list[Question]:
-    """MT-Bench-style JSONL ({"question_id", "category", "turns": [...]}), filtered by category, the first
-    per_category of each category kept (a balanced sample), then cut to limit."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"questions: {path} does not exist")
+def read_questions(paths, categories=None, limit: int | None = None, per_category: int | None = None) -> list[Question]:
+    """MT-Bench-style JSONL ({"question_id", "category", "turns": [...]}) from one file or several (in order),
+    filtered by category, the first per_category of each category kept (a balanced sample), then cut to limit."""
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    for path in paths:
+        if not path.is_file():
+            raise FileNotFoundError(f"questions: {path} does not exist")
     for name, value in (("limit", limit), ("per_category", per_category)):
         if value is not None and value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    lines = path.read_text(encoding="utf-8").splitlines()
-    questions = [parse_question(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
-    if not questions:
-        raise ValueError(f"questions: {path} holds no questions")
+    questions = []
+    for path in paths:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        found = [parse_question(line, path, n) for n, line in enumerate(lines, 1) if line.strip()]
+        if not found:
+            raise ValueError(f"questions: {path} holds no questions")
+        questions += found
     if categories:
         known = sorted({q.category for q in questions})
         unknown = [c for c in categories if c not in known]
         if unknown:
-            raise ValueError(f"categories: unknown {', '.join(map(repr, unknown))}; {path} has {', '.join(known)}")
+            names = ", ".join(map(str, paths))
+            raise ValueError(f"categories: unknown {', '.join(map(repr, unknown))}; {names} hold {', '.join(known)}")
         questions = [q for q in questions if q.category in categories]
     if per_category is not None:
         seen = Counter()

@@ -364,7 +364,8 @@ def main(argv=None) -> None:
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("bench", help="MT-Bench-style benchmark: MEDUSA vs plain decoding vs transformers generate")
-    p.add_argument("--questions", required=True, help="JSONL: {question_id, category, turns: [...]} per line")
+    p.add_argument("--questions", required=True, nargs="+",
+                   help="JSONL files: {question_id, category, turns: [...]} per line (several are read in order)")
     add_model_arguments(p)
     p.add_argument("--max-new-tokens", type=int, default=DEFAULTS.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DEFAULTS.temperature)

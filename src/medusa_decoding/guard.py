@@ -11,11 +11,13 @@ picks the tree with the most expected tokens per second.
   guessed are known. Those tokens are the same whichever tree verifies them (exactly at temperature 0; when
   sampling, in distribution: rejection sampling accepts a set of siblings with the probability that the drawn
   token is one of them), so the guesses tell how many tokens each tree of the ladder would have yielded at that
-  step, without running it. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the
-  guard sees when they are worth it again.
-- Step time: each step's measured time against its tree's calibrated latency at its context. A tree not run
-  lately is expected to keep its calibrated ratio to the one running; and while trees run, every EXPLORE_EVERY-th
-  step is a plain one, so that the baseline they must beat is timed in this very request.
+  step, without running it. The calibration's prediction counts as PRIOR_WEIGHT such steps; the last ~16 steps
+  weigh most. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the guard sees
+  when they are worth it again.
+- Step time: each step's measured time against its tree's calibrated latency at its context, weighed as the
+  tokens are. A tree not timed (or not lately) is expected to keep its calibrated ratio to the one running; and
+  while trees run, every EXPLORE_EVERY-th step is a plain one, so that the baseline they must beat is timed in
+  this very request.
 
 Every step is verified as before: greedy output is identical whatever the guard picks.
 """
@@ -28,8 +30,9 @@ import torch
 from .tree import Tree
 
 SMOOTHING = 1 / 16  # weight of a new observation in the running estimates: they follow about the last 16 steps
+PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a running mean, until SMOOTHING)
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
-PROBE_EVERY = 4  # while decoding plainly, the heads guess every this many steps
+PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: ~5% of a plain step)
 EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one (timed; costs ~0.6% where trees win 25%)
 TIME_CLIP = 2.0  # a step's time counts at most this factor away from its tree's estimate (a preempted step)
 
@@ -93,7 +96,9 @@ class Guard:
         self.top_k = max(tree.topk_per_head() for tree in trees)  # what the heads guess: enough for every tree
         self.depth = max(tree.depth for tree in trees)
         self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree
+        self.observed = 0  # steps whose yields were counted
         self.time_factor: list[float | None] = [None] * len(trees)  # measured / calibrated step time, per tree
+        self.timed = [0] * len(trees)  # steps timed, per tree
         self.first: dict[tuple[int, ...], int] = {}  # node path -> the first tree that holds it
         for index, tree in enumerate(trees):
             for path in tree.paths:
@@ -137,16 +142,19 @@ class Guard:
     def count_tokens(self, start: int, guesses: list[list[int]]) -> None:
         """Updates each tree's tokens per step with what it would have yielded at the step whose guesses were for
         generated[start:]."""
+        self.observed += 1
+        weight = max(1 / (PRIOR_WEIGHT + self.observed), SMOOTHING)
         for i, tokens in enumerate(yields(guesses, self.generated[start:], self.first, len(self.tokens))):
-            self.tokens[i] += SMOOTHING * (tokens - self.tokens[i])
+            self.tokens[i] += weight * (tokens - self.tokens[i])
 
     def time_step(self, ratio: float) -> None:
         """A step of the chosen tree took `ratio` times its calibrated latency; what was seen of others fades."""
         factors, i = self.time_factor, self.choice
         known = [factor for factor in factors if factor is not None]
-        reference = factors[i] or (sum(known) / len(known) if known else ratio)
-        ratio = min(max(ratio, reference / TIME_CLIP), reference * TIME_CLIP)
-        factors[i] = ratio if factors[i] is None else factors[i] + SMOOTHING * (ratio - factors[i])
+        reference = factors[i] or (sum(known) / len(known) if known else ratio)  # untimed: the others' ratio
+        self.timed[i] += 1
+        weight = max(1 / (PRIOR_WEIGHT + self.timed[i]), SMOOTHING) if known else 1.0
+        factors[i] = reference + weight * (min(max(ratio, reference / TIME_CLIP), reference * TIME_CLIP) - reference)
         for j, factor in enumerate(factors):
             if j != i and factor is not None:
                 factors[j] = factor + FADING * (factors[i] - factor)
