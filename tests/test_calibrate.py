@@ -135,9 +135,10 @@ def test_choose_tree_over_sparse_sizes_predicts_each_measured_size():
     choice = choose_tree(HAND, sizes, [256], [latencies])
     assert choice.expected_tokens == pytest.approx([1.0] + [1 + HAND_EXPECTED[n - 1] for n in sizes[1:]])
     assert choice.size == 3 and choice.tree_paths == HAND_ORDER[:3]
-    ladder = choice.ladder()  # what the guard chooses from: the same trees, yields and latencies
-    assert [t.num_nodes - 1 for t in ladder.trees] == sizes and set(ladder.tree.paths) == set(HAND_ORDER[:3])
-    assert list(ladder.expected_tokens) == choice.expected_tokens and ladder.latency(256) == latencies
+    ladder = choice.ladder()  # what the guard chooses from: the chosen tree and the smaller ones, as measured
+    assert [t.num_nodes - 1 for t in ladder.trees] == [0, 1, 3] and ladder.tree is ladder.trees[-1]
+    assert set(ladder.tree.paths) == set(HAND_ORDER[:3])
+    assert list(ladder.expected_tokens) == choice.expected_tokens[:3] and ladder.latency(256) == latencies[:3]
 
 
 def test_tried_sizes_are_dense_for_small_trees_and_end_at_the_largest():

@@ -237,8 +237,7 @@ def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list, tur
     rows = []
     for name, trees, outputs in decoders:
         measured = list(trees.trees)
-        guessing = (max(t.topk_per_head() for t in measured), max(t.depth for t in measured)) if len(measured) > 1 else None
-        contexts, latency = measure_step_latency(medusa, measured, config, guessing)
+        contexts, latency = measure_step_latency(medusa, measured, config)
         timed = replace(trees, contexts=tuple(contexts), latency_s=tuple(map(tuple, latency)))
         sizes = [tree.num_nodes - 1 for tree in measured]
         expected = [1 + expected_acceptance(tree.paths, accuracy) for tree in measured]

@@ -125,18 +125,23 @@ class Calibration:
         return self.paths[: self.size]
 
     def ladder(self) -> Ladder:
-        """The trees `--tree auto` chooses among at run time (guard.py), starting from the chosen one."""
+        """The trees `--tree auto` chooses among at run time (guard.py): the chosen one and every smaller size."""
         return ladder(torch.tensor(self.accuracy, dtype=torch.float64), self.sizes, self.contexts, self.latency_s,
                       self.size)
 
 
 def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latency_s: list[list[float]],
            size: int) -> Ladder:
-    """The best tree of each of `sizes` (accuracy [K, S]), their expected tokens per step and step latency."""
-    paths, expected = grow_tree(accuracy, max(sizes))
-    return Ladder(trees=tuple(build(tuple(paths[:n])) for n in sizes),
-                  expected_tokens=tuple(1.0 + (expected[n - 1] if n else 0.0) for n in sizes),
-                  contexts=tuple(contexts), latency_s=tuple(map(tuple, latency_s)), start=sizes.index(size))
+    """The best tree of each of `sizes` up to the chosen `size` (accuracy [K, S]), their expected tokens per step and
+    step latency; the guard starts from the chosen one. Larger trees are left out: on this calibration they are
+    predicted slower, and whether one beats the chosen tree on a prompt hinges on a few percent that per-request
+    estimates cannot resolve (measured: picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
+    paths, expected = grow_tree(accuracy, size)
+    kept = [i for i, n in enumerate(sizes) if n <= size]
+    return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept),
+                  expected_tokens=tuple(1.0 + (expected[sizes[i] - 1] if sizes[i] else 0.0) for i in kept),
+                  contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s),
+                  start=len(kept) - 1)
 
 
 def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]]
@@ -205,14 +210,13 @@ def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAUL
     return sorted({max(1, min(context, room)) for context in config.latency_contexts})
 
 
-def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS,
-                         guessing: tuple[int, int] | None = None) -> tuple[list[int], list[list[float]]]:
+def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS
+                         ) -> tuple[list[int], list[list[float]]]:
     """Median seconds of one full decoding step (guess, verify, greedy accept, commit) per tree, at each of the
     contexts `latency_contexts` gives: (contexts [C], seconds [C][len(trees)]).
 
-    guessing: (top_k, depth) the heads guess in every step of a tree (as the guard has them guess for its whole
-    ladder); None: what each tree needs. The cache is cut back to the prefix after every step, so each starts
-    alike, and the trees take turns, so a burst of load from elsewhere slows all of them, not one.
+    The cache is cut back to the prefix after every step, so each starts alike, and the trees take turns, so a
+    burst of load from elsewhere slows all of them, not one.
     """
     model, heads, device = medusa.model, medusa.heads, medusa.model.device
     lm_head = guess_projection(model)
@@ -224,10 +228,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
             torch.cuda.synchronize(device)
 
     def step(cache, hidden, root, tree: Tree, prefix_len: int) -> None:
-        guesses = None
-        if tree.num_nodes > 1:
-            top_k, depth = guessing or (tree.topk_per_head(), tree.depth)
-            guesses = guess(heads, lm_head, hidden, top_k, depth)
+        guesses = guess(heads, lm_head, hidden, tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
         tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, tree, device)])
         logits, _ = verify(model, cache, tokens, tree, prefix_len)
         path, _ = greedy(tokens, logits, tree, greedy_config)
@@ -274,12 +275,9 @@ def setup(medusa) -> str:
 
 
 def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The step latency of the greedy tree of each tried size up to max_nodes (the heads guessing for all of them,
-    as the guard has them), then the fastest predicted."""
+    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted."""
     sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
-    trees = greedy_trees(accuracy, sizes)
-    guessing = max(t.topk_per_head() for t in trees), max(t.depth for t in trees)
-    return choose_tree(accuracy, sizes, *measure_step_latency(medusa, trees, config, guessing))
+    return choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:

@@ -120,9 +120,9 @@ def decode(
         yield [root], 0
         while produced < config.max_new_tokens and root not in eos_ids:
             start = time.perf_counter()
-            tree, guessing = guard.choose(prefix_len)
+            tree, guessing = guard.choose(prefix_len)  # guessing: (top_k, depth) of the heads' guesses, or None
             step_tree = tree.truncated(config.max_new_tokens - produced - 1)  # never guess past the budget
-            guesses = guess(heads, lm_head, hidden, guard.top_k, guard.depth) if guessing else None
+            guesses = guess(heads, lm_head, hidden, *guessing) if guessing else None
             tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, step_tree, device)])  # [N+1]
             logits, hidden_all = verify(model, cache, tokens, step_tree, prefix_len)
             path, root = rule(tokens, logits, step_tree, config, generator)

@@ -16,8 +16,11 @@ picks the tree with the most expected tokens per second.
   when they are worth it again.
 - Step time: each step's measured time against its tree's calibrated latency at its context, weighed as the
   tokens are. A tree not timed (or not lately) is expected to keep its calibrated ratio to the one running; and
-  while trees run, every EXPLORE_EVERY-th step is a plain one, so that the baseline they must beat is timed in
-  this very request.
+  while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that the baseline
+  they must beat is timed in this very request.
+
+Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
+reproducible to a few percent from run to run, and a few steps' yields are noisy.
 
 Every step is verified as before: greedy output is identical whatever the guard picks.
 """
@@ -33,7 +36,9 @@ SMOOTHING = 1 / 16  # weight of a new observation in the running estimates: they
 PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a running mean, until SMOOTHING)
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
 PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: ~5% of a plain step)
-EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one (timed; costs ~0.6% where trees win 25%)
+EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one, timed (~0.5% where trees win by 15%) ...
+EXPLORE_BELOW = 1.15  # ... where plain is predicted within this factor of the tree: beyond, no timing changes a pick
+SWITCH_MARGIN = 1.03  # another tree is taken when predicted this much faster: less is within the estimates' noise
 TIME_CLIP = 2.0  # a step's time counts at most this factor away from its tree's estimate (a preempted step)
 
 
@@ -93,8 +98,8 @@ class Guard:
         trees = ladder.trees
         self.ladder, self.choice = ladder, ladder.start
         self.watching = len(trees) > 1
-        self.top_k = max(tree.topk_per_head() for tree in trees)  # what the heads guess: enough for every tree
         self.depth = max(tree.depth for tree in trees)
+        self.watched = (max(tree.topk_per_head() for tree in trees), self.depth)  # guesses that cover every tree
         self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree
         self.observed = 0  # steps whose yields were counted
         self.time_factor: list[float | None] = [None] * len(trees)  # measured / calibrated step time, per tree
@@ -108,23 +113,28 @@ class Guard:
         self.plain_steps = self.tree_steps = 0
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
 
-    def choose(self, context: int) -> tuple[Tree, bool]:
-        """The tree of the next step at `context` tokens, and whether the heads guess in it (to propose, or to
-        probe while decoding plainly)."""
-        if self.watching:
-            latency = self.ladder.latency(context)
-            seen = self.time_factor[self.choice] or 1.0  # trees not run yet: their calibrated latency ratio
-            self.choice = max(range(len(latency)),
-                              key=lambda i: self.tokens[i] / ((self.time_factor[i] or seen) * latency[i]))
+    def choose(self, context: int) -> tuple[Tree, tuple[int, int] | None]:
+        """The tree of the next step at `context` tokens, and what the heads guess in it: (top_k, depth), enough for
+        every tree of the ladder, or None (a plain step that does not probe)."""
+        if not self.watching:
+            tree = self.ladder.tree
+            return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
+        latency = self.ladder.latency(context)
+        seen = self.time_factor[self.choice] or 1.0  # trees not timed yet: their calibrated latency ratio
+        speed = [tokens / ((factor or seen) * seconds)
+                 for tokens, factor, seconds in zip(self.tokens, self.time_factor, latency)]
+        best = max(range(len(speed)), key=speed.__getitem__)
+        if speed[best] > SWITCH_MARGIN * speed[self.choice]:  # noise in the estimates must not flip trees
+            self.choice = best
         tree = self.ladder.trees[self.choice]
         if tree.num_nodes == 1:
             self.plain_steps += 1
-            return tree, self.watching and self.plain_steps % PROBE_EVERY == 0
+            return tree, self.watched if self.plain_steps % PROBE_EVERY == 0 else None
         self.tree_steps += 1
-        if self.watching and self.explores and self.tree_steps % EXPLORE_EVERY == 0:
-            self.choice = 0  # its time is plain's: no guesses in it
-            return self.ladder.trees[0], False
-        return tree, True
+        if self.explores and self.tree_steps % EXPLORE_EVERY == 0 and speed[self.choice] < EXPLORE_BELOW * speed[0]:
+            self.choice = 0  # plain is within reach: time it (no guesses in it)
+            return self.ladder.trees[0], None
+        return tree, self.watched
 
     def record(self, guesses: torch.Tensor | None, new: list[int], seconds: float | None, context: int) -> None:
         """After a step: its guesses ([depth, top_k] token ids, or None), the tokens it produced, its seconds (None:
