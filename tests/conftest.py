@@ -6,6 +6,7 @@ import pytest
 import torch
 import transformers
 
+from medusa_decoding.calibrate import device_name
 from medusa_decoding.kernels import compile_error, native_build
 
 # MEDUSA_TEST_THREADS=N runs the whole suite on N torch threads (default: torch's, and 1 where `one_thread` asks)
@@ -15,6 +16,13 @@ if THREADS:
 # tests of the native kernel itself; elsewhere kernels="auto" falls back to stock kernels and the tests run on those
 needs_native = pytest.mark.skipif(native_build() is not None, reason=f"native CPU kernel: {native_build()}")
 needs_compiler = pytest.mark.skipif(compile_error("cpu") is not None, reason=f"torch.compile: {compile_error('cpu')}")
+
+
+def pytest_report_header(config) -> str:
+    """Which processor, vector width and kernels the run had: results differ by machine, so every log says so."""
+    native = native_build() or "built"
+    return (f"medusa: {device_name(torch.device('cpu'))}, ATen {torch.backends.cpu.get_cpu_capability()}, "
+            f"native kernel: {native}, torch.compile: {compile_error('cpu') or 'available'}")
 
 VOCAB = 96
 HIDDEN = 32

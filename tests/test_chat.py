@@ -63,10 +63,14 @@ def test_two_turns_share_history_stats_count_every_pass_reset_forgets_and_ctrl_d
     rest = child.before
     child.close()
 
-    out_first = smollm.generate(messages=[user(FIRST)], max_new_tokens=MAX_NEW_TOKENS)
-    history = [user(FIRST), {"role": "assistant", "content": first}, user(SECOND)]
-    out_second = smollm.generate(messages=history, max_new_tokens=MAX_NEW_TOKENS)
-    alone = smollm.generate(messages=[user(SECOND)], max_new_tokens=MAX_NEW_TOKENS)
+    trees, smollm.tree = smollm.trees, smollm.tree  # the child's fixed tree: a guard's picks (--tree auto) follow time
+    try:
+        out_first = smollm.generate(messages=[user(FIRST)], max_new_tokens=MAX_NEW_TOKENS)
+        history = [user(FIRST), {"role": "assistant", "content": first}, user(SECOND)]
+        out_second = smollm.generate(messages=history, max_new_tokens=MAX_NEW_TOKENS)
+        alone = smollm.generate(messages=[user(SECOND)], max_new_tokens=MAX_NEW_TOKENS)
+    finally:
+        smollm.trees = trees
 
     assert first == out_first.text
     assert second == out_second.text  # the second prompt carried the first turn

@@ -34,6 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def base_url(smollm):
+    trees, smollm.tree = smollm.trees, smollm.tree  # one fixed tree: steps compared with `expected` must not follow time
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(smollm, MODEL_ID), log_level="warning"))
@@ -47,6 +48,7 @@ def base_url(smollm):
     server.should_exit = True
     thread.join(timeout=30)
     sock.close()
+    smollm.trees = trees
 
 
 @pytest.fixture(scope="module")
