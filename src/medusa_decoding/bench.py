@@ -358,8 +358,8 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    """One PNG: tokens/s by category for the three decoders; tokens per MEDUSA forward pass; with predictions,
-    speed against tree size, measured and predicted."""
+    """One PNG: tokens/s by category for the three decoders; the trees MEDUSA's steps verified, by category; tokens
+    per MEDUSA forward pass; with predictions, speed against tree size, measured and predicted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -368,8 +368,10 @@ def plot(report: dict, path) -> None:
     names = [*sorted(report["categories"]), "all"]
     stats = [report["categories"].get(name, report["overall"]) for name in names]
     predicted = "prediction" in report
-    figure, (bars, histogram, *speed) = plt.subplots(1, 3 if predicted else 2, figsize=(20 if predicted else 14, 5),
-                                                     gridspec_kw={"width_ratios": [3, 1, 1.5][: 3 if predicted else 2]})
+    figure = plt.figure(figsize=(16, 10))
+    grid = figure.add_gridspec(2, 3 if predicted else 2, width_ratios=[2, 1, 1.3][: 3 if predicted else 2])
+    bars, trees, histogram = figure.add_subplot(grid[0, :]), figure.add_subplot(grid[1, 0]), figure.add_subplot(grid[1, 1])
+    speed = [figure.add_subplot(grid[1, 2])] if predicted else []
     width = 1 / (len(DECODERS) + 1)
     for i, decoder in enumerate(DECODERS):
         positions = [n + (i - 1) * width for n in range(len(names))]
@@ -379,6 +381,7 @@ def plot(report: dict, path) -> None:
     bars.set_title(f"speed by category (speedup vs plain {report['overall']['speedup']:.2f}x)")
     bars.margins(y=0.15)  # headroom for the legend
     bars.legend(ncol=len(DECODERS), loc="upper left")
+    plot_trees(trees, names, stats)
     lengths = report["overall"]["accept_lengths"]
     histogram.bar([int(n) for n in lengths], list(lengths.values()), color="tab:blue")
     histogram.set_xlabel("tokens per MEDUSA forward pass")
@@ -393,18 +396,37 @@ def plot(report: dict, path) -> None:
     plt.close(figure)
 
 
+def plot_trees(axes, names: list[str], stats: list[dict]) -> None:
+    """The share of MEDUSA's steps that verified each tree size, stacked, by category (`--tree auto`'s picks)."""
+    import matplotlib.pyplot as plt
+
+    sizes = sorted({int(n) for s in stats for n in s["tree_sizes"]})
+    bottom = [0.0] * len(names)
+    for i, size in enumerate(sizes):
+        share = [s["tree_sizes"].get(str(size), 0) / max(sum(s["tree_sizes"].values()), 1) for s in stats]
+        label = "plain" if size == 0 else f"{size} candidate{'s' if size > 1 else ''}"
+        axes.bar(range(len(names)), share, 0.7, bottom=bottom, label=label, color=plt.cm.viridis(i / max(len(sizes) - 1, 1)))
+        bottom = [b + x for b, x in zip(bottom, share)]
+    axes.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    axes.set_ylim(0, 1.18)  # headroom for the legend
+    axes.set_ylabel("share of MEDUSA's steps")
+    axes.set_title("trees verified, by category")
+    axes.legend(ncol=min(len(sizes), 4), fontsize=7, loc="upper left")
+
+
 def plot_speed(axes, rows: list[dict]) -> None:
     """Tokens/s against tree size: the calibration model's prediction as a line, the measured speed as dots."""
     import matplotlib.ticker
     rows = sorted(rows, key=lambda p: p["tree_size"])
-    sizes = [p["tree_size"] for p in rows]
+    sizes = [p["tree_size"] for p in rows]  # a guard's mean tree size is fractional
     axes.plot(sizes, [p["predicted_tokens_per_s"] for p in rows], color="tab:blue", marker=".", label="predicted")
     axes.scatter(sizes, [p["measured_tokens_per_s"] for p in rows], color="tab:orange", zorder=3, label="measured")
     chosen = next(p for p in rows if p["decoder"] == "medusa")
     axes.axvline(chosen["tree_size"], color="tab:green", ls="--", lw=1,
                  label=f"MEDUSA: {chosen['tree_size']:.1f} candidates a step")
     axes.set_xscale("symlog", linthresh=4)
-    axes.set_xticks(sizes, [f"{n:g}" for n in sizes])
+    ticks = sorted({round(n) for n in sizes})
+    axes.set_xticks(ticks, [str(n) for n in ticks])
     axes.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     axes.set_xlim(-0.5, max(sizes) * 1.3 + 1)
     axes.set_xlabel("tree size (candidates; 0 = plain)")
