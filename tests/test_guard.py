@@ -2,6 +2,8 @@
 against real verification; the trees it picks from what a request shows (plain steps where the heads are wrong,
 large trees where they are right, the faster tree where one runs slow); output that stays exactly greedy."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -35,6 +37,26 @@ def sizes_used(model, heads, ladder: Ladder, reference: list[int]) -> list[int]:
     steps = list(decode(model, heads, PROMPT, GenerationConfig(max_new_tokens=len(reference)), ladder))
     assert [t for new, _ in steps for t in new] == reference
     return [size for _, size in steps[1:]]
+
+
+@pytest.fixture(autouse=True)
+def calibrated_clock(monkeypatch):
+    """Decoding's clock reports each step at its tree's calibrated latency: the guard's picks then depend on the
+    heads alone, not on this machine's speed or load (the tests that give the guard other times call it directly)."""
+    clock = SimpleNamespace(now=0.0, step=0.0)
+    choose = Guard.choose
+
+    def timed_choose(guard, context):
+        picked = choose(guard, context)
+        clock.step = guard.ladder.latency(context)[guard.choice]
+        return picked
+
+    def perf_counter() -> float:  # called as a step starts (before choose) and as it ends
+        clock.now, clock.step = clock.now + clock.step, 0.0
+        return clock.now
+
+    monkeypatch.setattr(Guard, "choose", timed_choose)
+    monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=perf_counter))
 
 
 @pytest.fixture(scope="module")
@@ -197,3 +219,19 @@ def test_a_tree_predicted_a_little_faster_is_not_worth_a_switch():
     assert guard.choose(100)[0] is ladder.trees[2]
     guard.tokens[4] = 1.6 * (1 + (SWITCH_MARGIN - 1) * 2)
     assert guard.choose(100)[0] is ladder.trees[4]
+
+
+def test_a_seeded_sampled_run_repeats_however_long_its_steps_take(llama, monkeypatch):
+    """Rejection sampling draws differently over different trees, and the guard's picks follow step times: a run
+    with a seed must not, or --seed would not repeat it."""
+    model, _, oracle = llama
+    config = GenerationConfig(max_new_tokens=64, temperature=1.0, seed=5)
+
+    def sample(clock_seed: int) -> list[int]:
+        jitter = torch.Generator().manual_seed(clock_seed)
+        now = iter(torch.rand(10_000, generator=jitter).mul(10).cumsum(0).tolist())  # steps of 0 to 10 s
+        monkeypatch.setattr(decoding, "time", SimpleNamespace(perf_counter=lambda: next(now)))
+        generator = torch.Generator().manual_seed(config.seed)
+        return [t for new, _ in decode(model, oracle, PROMPT, config, make_ladder(), generator=generator) for t in new]
+
+    assert sample(0) == sample(1)

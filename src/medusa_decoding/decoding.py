@@ -133,7 +133,8 @@ def decode(
                 if token in eos_ids:
                     new, root = new[: i + 1], token
                     break
-            seconds = time.perf_counter() - start if step_tree is tree else None  # a cut tree is not the ladder's
+            # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
+            seconds = time.perf_counter() - start if step_tree is tree and config.seed is None else None
             guard.record(guesses, new, seconds, prefix_len)
             prefix_len += len(path)
             produced += len(new)

@@ -22,7 +22,9 @@ picks the tree with the most expected tokens per second.
 Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
 reproducible to a few percent from run to run, and a few steps' yields are noisy.
 
-Every step is verified as before: greedy output is identical whatever the guard picks.
+Every step is verified as before: greedy output is identical whatever the guard picks. A sampled request with a seed
+is not timed (its guard follows the tokens and the calibrated latencies): rejection sampling draws differently over
+different trees, and the seed must repeat the run.
 """
 
 from collections import deque
