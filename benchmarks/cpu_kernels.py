@@ -1,7 +1,8 @@
 """Which kernels run the embedded default's few-token forward passes fastest on this CPU, and what they change.
 
 For each of stock (MKL), native (the project's batch-invariant few-row kernel, csrc/linear.cpp, reading the GGUF's
-Q4_1/Q8_0 blocks; the heads guess through an int8 copy of the LM head), native-float32 (the same kernel on the
+Q4_1/Q8_0 blocks, with batch-invariant attention; the heads guess through an int8 copy of the LM head), q8 (the
+same blocks with 8-bit activations and integer dot products), native-float32 (the same kernel on the
 float32 weights, as before it read blocks), compiled (the backbone through torch.compile, dynamic shapes, native linears,
 the same int8 guesses), int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles
 where the CPU has them), the last two measured here and not offered by the library, side by side:
@@ -10,6 +11,7 @@ where the CPU has them), the last two measured here and not offered by the libra
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
     first difference, and whether greedy MEDUSA equals greedy plain decoding on the same kernels (lossless).
 Prints a table, writes JSON and a PNG.   usage: .venv/bin/python benchmarks/cpu_kernels.py [--out PREFIX]
+[--kernels NAME ...] (stock always runs: the others' reference)
 """
 
 import argparse
@@ -27,7 +29,7 @@ from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "native", "native-float32", "compiled", "int8", "bf16")
+KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "int8", "bf16")
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
@@ -38,33 +40,38 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels", help="writes OUT.json and OUT.png")
     parser.add_argument("--questions", default=str(QUESTIONS))
+    parser.add_argument("--kernels", nargs="+", choices=KERNELS[1:], default=KERNELS[1:])
     args = parser.parse_args()
+    kernels = ("stock", *[name for name in KERNELS[1:] if name in args.kernels])
 
     base = MedusaModel.from_pretrained(kernels="stock")
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
-              for name in ("stock", "native", "compiled")}
-    models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
-    for module in models["native-float32"].model.modules():
-        if hasattr(module, "codes"):  # no GGUF blocks: the kernel reads the float32 weights
-            del module.codes, module.scales
-    int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
-    models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)  # not offered by the library: lossy
-    bf16 = copy.deepcopy(base.model).bfloat16()
-    models["bf16"] = MedusaModel(bf16, base.tokenizer, copy.deepcopy(base.heads), base.tree)  # lossy too: measured
+              for name in ("stock", "native", "q8", "compiled") if name in kernels}
+    if "native-float32" in kernels:
+        models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
+        for module in models["native-float32"].model.modules():
+            if hasattr(module, "codes"):  # no GGUF blocks: the kernel reads the float32 weights
+                del module.codes, module.scales
+    if "int8" in kernels:  # not offered by the library: lossy
+        int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
+        models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)
+    if "bf16" in kernels:  # lossy too: measured
+        models["bf16"] = MedusaModel(copy.deepcopy(base.model).bfloat16(), base.tokenizer, copy.deepcopy(base.heads),
+                                     base.tree)
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
-    timings = {name: [[] for _ in SIZES] for name in KERNELS}
+    timings = {name: [[] for _ in SIZES] for name in kernels}
     once = CalibrateConfig(latency_repeats=2, latency_contexts=(256,))
     for round_ in range(ROUNDS):
         print(f"latency round {round_ + 1}/{ROUNDS}", file=sys.stderr)
         for name, medusa in models.items():
             for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)[1][0]):
                 timed.append(seconds)
-    latency = {name: [statistics.median(t) for t in timings[name]] for name in KERNELS}
+    latency = {name: [statistics.median(t) for t in timings[name]] for name in kernels}
 
     prompts = [q.turns[0] for q in read_questions(args.questions, limit=PROMPTS)]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    outputs = {name: [] for name in KERNELS}
-    lossless = {name: True for name in KERNELS}
+    outputs = {name: [] for name in kernels}
+    lossless = {name: True for name in kernels}
     for prompt in prompts:
         for name, medusa in models.items():
             plain = medusa.generate(prompt, config=config, medusa=False).token_ids
@@ -75,16 +82,16 @@ def main() -> None:
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
     agreement = {name: sum(agreeing(o, s) for o, s in zip(outputs[name], outputs["stock"])) /
-                 sum(len(s) for s in outputs["stock"]) for name in KERNELS}
+                 sum(len(s) for s in outputs["stock"]) for name in kernels}
     record = {"device": device_name(torch.device("cpu")), "torch": torch.__version__, "tokens": [n + 1 for n in SIZES],
               "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
               "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
     print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
-    print(f"{'tokens':>7}" + "".join(f"{n:>16}" for n in KERNELS) + "".join(f"{n + '/stock':>22}" for n in KERNELS[1:]))
+    print(f"{'tokens':>7}" + "".join(f"{n:>16}" for n in kernels) + "".join(f"{n + '/stock':>22}" for n in kernels[1:]))
     for i, tokens in enumerate(record["tokens"]):
-        ms = [1000 * latency[n][i] for n in KERNELS]
+        ms = [1000 * latency[n][i] for n in kernels]
         print(f"{tokens:>7}" + "".join(f"{m:>16.1f}" for m in ms) + "".join(f"{m / ms[0]:>22.2f}" for m in ms[1:]))
-    for name in KERNELS:
+    for name in kernels:
         print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
               f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -99,7 +106,7 @@ def plot(record: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, axes = plt.subplots(figsize=(8, 4.5))
-    for name in KERNELS:
+    for name in record["step_latency_s"]:
         axes.plot(record["tokens"], [1000 * s for s in record["step_latency_s"][name]], marker="o",
                   label=f"{name} (greedy agrees with stock: {record['greedy_agreement_with_stock'][name]:.0%})")
     axes.set_xscale("log", base=2)

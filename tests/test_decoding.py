@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import FAMILIES, tiny_model
+from conftest import FAMILIES, needs_native, tiny_model
 from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, greedy_reference, lively_model,
                             random_heads)
 from transformers import DynamicCache
@@ -240,6 +240,31 @@ def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
     assert sum(out.accept_lengths) == len(expected)
     if heads == "oracle":
         assert out.acceleration_rate > MIN_TOKENS_PER_STEP
+
+
+@needs_native
+def test_smollm_on_q8_kernels_medusa_is_plain_decoding_to_the_token():
+    """8-bit activations round differently from float32, so q8 answers are not transformers'; but each tree node
+    gets what a one-token pass gives its token (test_kernels), so MEDUSA stays lossless against plain decoding in the
+    same engine, with the shipped heads and a wide tree."""
+    q8 = MedusaModel.from_pretrained(kernels="q8", tree=WIDE_SPARSE)
+    assert q8.kernels == "q8" and reads_blocks(q8.model)
+    tree, ids = Tree.from_spec(WIDE_SPARSE), q8.encode(SMOL_PROMPT)
+    tokens = torch.randint(q8.heads.config.vocab_size, (tree.num_nodes,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():  # each node's logits: bitwise those of its token in one-token steps along its path
+        cache, _, _ = prefill(q8.model, ids, len(ids) + tree.num_nodes)
+        logits = verify(q8.model, cache, tokens, tree, len(ids))[0]
+        for path in ([0, 1, 9, 13, 16], [0, 3, 11]):  # two of the tree's root-to-leaf paths
+            cache, _, _ = prefill(q8.model, ids, len(ids) + len(path))
+            for depth, node in enumerate(path):
+                one = verify(q8.model, cache, tokens[node : node + 1], decoding.PLAIN, len(ids) + depth)[0]
+                assert torch.equal(one[0], logits[node])
+    accepted = 0
+    for prompt in (SMOL_PROMPT, "Write a Python function that reverses a string.", "What is 17 * 24? Show the steps."):
+        medusa, plain = (q8.generate(prompt, max_new_tokens=NEW_TOKENS, medusa=on) for on in (True, False))
+        assert medusa.token_ids == plain.token_ids and plain.steps == len(plain.token_ids)
+        accepted += len(medusa.token_ids) - medusa.steps
+    assert accepted > NEW_TOKENS // 2  # the heads' guesses were taken: trees were verified, not plain steps
 
 
 def test_smollm_rejects_bad_prompts_before_any_work(smollm):

@@ -1,9 +1,12 @@
 """The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
-and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits; so does a compiled
-backbone; grouped-query attention over a tree reads the keys in place; the heads guess through an int8 copy of the LM
-head."""
+and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits, or with 8-bit
+activations (q8: every instruction path the same bits); native attention gives a tree node what a one-token pass gives
+its token, so a tree pass is bitwise a run of one-token passes; so does a compiled backbone; grouped-query attention
+over a tree reads the keys in place; the heads guess through an int8 copy of the LM head."""
 
 import copy
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,9 +16,11 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
-from medusa_decoding.kernels import (GROUPED_SDPA, MAX_ROWS, Int8Linear, NativeLinear, block_codes, compile_error,
-                                     guess_projection, load_native, native_build, reads_blocks, resolve_kernels,
-                                     set_guess_vocab, stock_kernels, use_kernels)
+from medusa_decoding.decoding import PLAIN
+from medusa_decoding.kernels import (GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS, Int8Linear, NativeLinear,
+                                     Q8Linear, block_codes, compile_error, guess_projection, load_native, native_build,
+                                     q8_paths, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
+                                     use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -151,12 +156,12 @@ def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
 def test_stock_kernels_runs_stock_inside_and_native_after():
     native = native_copy(lively_model("llama"))
     linears = [m for m in native.modules() if isinstance(m, torch.nn.Linear)]
-    assert native.config._attn_implementation == GROUPED_SDPA
+    assert native.config._attn_implementation == INVARIANT_ATTENTION
     with stock_kernels(native):
         assert all(type(m) is torch.nn.Linear for m in linears)
         assert native.config._attn_implementation == "sdpa"
     assert all(type(m) is NativeLinear for m in linears)
-    assert native.config._attn_implementation == GROUPED_SDPA
+    assert native.config._attn_implementation == INVARIANT_ATTENTION
     assert use_kernels(lively_model("llama", attn="eager"), "native").config._attn_implementation == "eager"
 
 
@@ -195,8 +200,11 @@ def test_resolve_kernels():
     if native_build() is not None:
         with pytest.raises(ValueError, match="kernels='native' cannot run here: .*compiler"):
             resolve_kernels("native", torch.device("cpu"), torch.float32)
-    with pytest.raises(ValueError, match="float32 only"):
-        resolve_kernels("native", torch.device("cpu"), torch.bfloat16)
+    for name in ("native", "q8"):
+        with pytest.raises(ValueError, match="float32 only"):
+            resolve_kernels(name, torch.device("cpu"), torch.bfloat16)
+        if native_build() is None:
+            assert resolve_kernels(name, torch.device("cpu"), torch.float32) == name
     with pytest.raises(ValueError, match="kernels must be one of"):
         resolve_kernels("fast", torch.device("cpu"), torch.float32)
 
@@ -267,3 +275,137 @@ def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_native_kernels(fam
         exact = native.get_output_embeddings()(hidden)
         torch.testing.assert_close(exact, model.get_output_embeddings()(hidden), rtol=1e-4, atol=1e-4)  # float32 still
         assert (guesses(hidden).argmax(-1) == exact.argmax(-1)).all()
+
+
+# --- 8-bit activations, batch-invariant attention --------------------------------------------------------------------
+
+Q8_TOLERANCE = 0.015  # |q8 - float32| / |float32| over a layer's outputs: 8-bit activations (measured 0.5-0.6%)
+
+
+def q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
+    """linear_q8's arithmetic in float64, written from its description: x per block of 32 to round(x / d), d = amax /
+    127; per block the integer sum of code * q, scaled by both d; Q4_1 adds its offset m times the block's d * sum(q)."""
+    blocks = x.reshape(x.shape[0], -1, 32).double()
+    d = blocks.abs().amax(-1, keepdim=True).float().div(127).double()
+    q = torch.where(d > 0, blocks / d, 0).round().clamp(-127, 127)
+    if bits == 4:  # byte i of a block: weight i (low nibble), weight i + 16 (high)
+        packed = codes.reshape(codes.shape[0], -1, 16).long()
+        w = torch.cat([packed & 15, packed >> 4], -1).double()
+    else:
+        w = codes.reshape(codes.shape[0], -1, 32).double() - 128  # q + 128 stored: the signed code
+    dots = torch.einsum("mbj,nbj->mnb", q, w)  # exact integers in float64
+    out = dots * scales[None, :, :, 0].double() * d[:, None, :, 0]
+    if bits == 4:
+        out = out + scales[None, :, :, 1].double() * (d[..., 0] * q.sum(-1))[:, None, :]
+    return out.sum(-1)
+
+
+@needs_native
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
+@pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 32, 5), (9, 96, 37), (6, 576, 20), (130, 64, 3)])
+def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qtype, bits, rows, in_features,
+                                                                              out_features):
+    load_native()
+    torch.manual_seed(rows)
+    weight = gguf_exact(torch.randn(out_features, in_features), qtype)
+    weight[out_features // 2] = 0  # a row of zero blocks (d = 0)
+    codes, scales = block_codes(weight)
+    x = torch.randn(rows, in_features)
+    x[0, 32:64] = 0  # a block of zero activations (where there are two)
+    paths = q8_paths()
+    assert "scalar" in paths and all(name in Q8_PATHS for name in paths)
+    out = {name: torch.ops.medusa.linear_q8(x, codes, scales, bits, Q8_PATHS.index(name)) for name in paths}
+    fastest = torch.ops.medusa.linear_q8(x, codes, scales, bits, -1)
+    assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
+    for m in range(min(rows, 5)):  # each token as computed alone
+        assert torch.equal(torch.ops.medusa.linear_q8(x[m : m + 1], codes, scales, bits, -1), fastest[m : m + 1])
+    torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
+    exact = x @ weight.T
+    assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
+
+
+@needs_native
+def test_q8_linear_refuses_a_path_this_cpu_lacks():
+    load_native()
+    codes, scales = block_codes(gguf_exact(torch.randn(4, 32), "Q4_1"))
+    missing = [i for i, name in enumerate(Q8_PATHS) if name not in q8_paths()] + [len(Q8_PATHS)]
+    with pytest.raises(RuntimeError, match="does not run on this CPU"):
+        torch.ops.medusa.linear_q8(torch.randn(1, 32), codes, scales, 4, missing[0])
+
+
+@needs_native
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 8), (2, 2, 128)])
+def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads, kv_heads, head_dim):
+    load_native()
+    torch.manual_seed(head_dim)
+    prefix, tree = 37, Tree.from_spec(DEFAULT_TREE)
+    n, keys = tree.num_nodes, prefix + tree.num_nodes
+    q, k, v = torch.randn(heads, n, head_dim), torch.randn(kv_heads, keys, head_dim), torch.randn(kv_heads, keys, head_dim)
+    mask = torch.zeros(n, keys)
+    mask[:, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.ops.medusa.attention(q, k, v, mask, scale)  # [T, H, D]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    for node in range(n):  # the same token in a one-token pass over its own keys, contiguous: the same bits
+        seen = torch.cat([torch.arange(prefix), prefix + tree.attention[node].nonzero()[:, 0]])
+        alone = torch.ops.medusa.attention(q[:, node : node + 1], k[:, seen], v[:, seen], None, scale)
+        assert torch.equal(alone[0], out[node])
+
+
+def gguf_model(family: str):
+    """A lively model whose weights are what a GGUF file holds, as the embedded default's: linears Q4_1, the
+    (tied) embedding Q8_0."""
+    model = lively_model(family, seed=FAMILIES.index(family))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 2:
+                parameter.copy_(gguf_exact(parameter, "Q8_0" if "embed" in name else "Q4_1"))
+    return model
+
+
+@needs_native
+@pytest.mark.parametrize("kernels_name", ["native", "q8"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kernels_name):
+    """Batch-invariant linears and attention: each node's logits and hidden state are bitwise those of its token in
+    plain one-token steps along its path, so greedy MEDUSA is plain decoding to the bit (q8's rounding included)."""
+    model = use_kernels(gguf_model(family), kernels_name)
+    assert model.config._attn_implementation == INVARIANT_ATTENTION
+    assert any(isinstance(m, Q8Linear) for m in model.modules()) == (kernels_name == "q8")
+    tree = Tree.from_spec(DEFAULT_TREE)
+    tokens = torch.arange(tree.num_nodes) * 7 + 3
+    with torch.inference_mode():
+        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
+        logits, hidden = verify(model, cache, tokens, tree, len(PROMPT))
+        for leaf in tree.leaf_paths.tolist():
+            path = [node for node in leaf if node >= 0]
+            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + len(path))
+            for depth, node in enumerate(path):
+                one_logits, one_hidden = verify(model, cache, tokens[node : node + 1], PLAIN, len(PROMPT) + depth)
+                assert torch.equal(one_logits[0], logits[node]) and torch.equal(one_hidden[0], hidden[node])
+
+
+@needs_native
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family):
+    model = use_kernels(gguf_model(family), "q8")
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    plain = [t for step, _ in decode(model, None, PROMPT, replace(config, medusa=False), PLAIN) for t in step]
+    medusa = [t for step, _ in decode(model, random_heads(model), PROMPT, config, Tree.from_spec(DEFAULT_TREE))
+              for t in step]
+    assert medusa == plain
+    reference = greedy_reference(gguf_model(family), PROMPT, NEW_TOKENS)  # the float32 model: q8 rounds
+    assert sum(a == b for a, b in zip(plain, reference)) >= NEW_TOKENS // 4
+
+
+@needs_native
+def test_stock_kernels_restores_q8_linears_and_native_attention():
+    model = use_kernels(gguf_model("llama"), "q8")
+    kinds = {name: type(m) for name, m in model.named_modules()}
+    assert Q8Linear in kinds.values() and NativeLinear not in kinds.values()  # every linear of a GGUF model has blocks
+    with stock_kernels(model):
+        assert all(type(m) is torch.nn.Linear for m in model.modules() if isinstance(m, torch.nn.Linear))
+        assert model.config._attn_implementation == "sdpa"
+    assert {name: type(m) for name, m in model.named_modules()} == kinds
+    assert model.config._attn_implementation == INVARIANT_ATTENTION

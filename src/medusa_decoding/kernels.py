@@ -51,18 +51,19 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-KERNELS = ("auto", "stock", "native", "compiled")
+KERNELS = ("auto", "stock", "native", "q8", "compiled")
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
-SOURCE = Path(__file__).with_name("csrc") / "linear.cpp"
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp")]
 GUESS_COPY = "int8"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # else the baseline
+Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 
 
 @functools.cache
 def native_build() -> str | None:
-    """Builds medusa::linear for this machine's vector width (once: torch caches the build) and loads it. Returns
-    None, or why it cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
+    """Builds the medusa ops (linears, attention) for this machine's vector width (once: torch caches the build) and
+    loads them. Returns None, or why they cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
     from torch.utils.cpp_extension import get_cxx_compiler, get_default_build_root, load
 
     if shutil.which(get_cxx_compiler()) is None:
@@ -72,18 +73,22 @@ def native_build() -> str | None:
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
     isa = torch.backends.cpu.get_cpu_capability().lower()
-    name = f"medusa_linear_{isa}"
+    name = f"medusa_kernels_{isa}"
     if not any(Path(get_default_build_root()).glob(f"*/{name}/{name}.so")):  # torch's layout: <python, cuda>/<name>
-        print("medusa: building the native CPU kernel for this machine (once, about 15 s)", file=sys.stderr)
-    try:
-        load(name, [str(SOURCE)], extra_cflags=["-O3", "-fopenmp", *ISA_FLAGS.get(isa, [])],
-             extra_ldflags=["-fopenmp"], is_python_module=False)
+        print("medusa: building the native CPU kernels for this machine (once, about 30 s)", file=sys.stderr)
+    try:  # -Wno-psabi: vectors passed between the functions of one path, all inlined into it
+        load(name, [str(source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp", "-Wno-psabi",
+             *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"], is_python_module=False)
     except Exception as error:  # the compiler's own output: its first error line says why
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-        return f"{SOURCE.name} did not build: {next((l for l in lines if 'error' in l.lower()), lines[0] if lines else error)}"
+        return f"the native kernels did not build: {next((l for l in lines if 'error' in l.lower()), lines[0] if lines else error)}"
     torch.library.register_fake("medusa::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("medusa::linear_blocks")(lambda x, codes, scales, bits: x.new_empty(x.shape[0],
                                                                                                       codes.shape[0]))
+    torch.library.register_fake("medusa::linear_q8")(lambda x, codes, scales, bits, path: x.new_empty(x.shape[0],
+                                                                                                       codes.shape[0]))
+    torch.library.register_fake("medusa::attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape[1], q.shape[0],
+                                                                                              q.shape[2]))
     return None
 
 
@@ -119,6 +124,30 @@ class NativeLinear(nn.Linear):
             out = torch.ops.medusa.linear(x2, self.weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
+
+
+class Q8Linear(NativeLinear):
+    """A NativeLinear on GGUF blocks whose few-row passes quantize each token's activations to 8 bits per block of 32
+    and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic): about 1.5x faster than decoding the
+    blocks to float32, still batch-invariant, and approximate (`benchmarks/q8_fidelity.py` measures how far from the
+    float32 model). `path`: the instructions (Q8_PATHS' index; -1: the fastest this CPU runs; tests force each)."""
+
+    path = -1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() > MAX_ROWS * x.shape[-1]:
+            return nn.functional.linear(x, self.weight, self.bias)
+        codes = self._buffers["codes"]
+        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), codes, self._buffers["scales"],
+                                         8 * codes.shape[1] // x.shape[-1], Q8Linear.path)
+        out = out.view(*x.shape[:-1], out.shape[-1])
+        return out if self.bias is None else out + self.bias
+
+
+def q8_paths() -> list[str]:
+    """The instruction paths of medusa::linear_q8 this CPU runs (all give the same bits), slowest first."""
+    load_native()
+    return [name for name in torch.ops.medusa.q8_path_names() if name]
 
 
 def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -212,6 +241,28 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the prefill's causal mask, built as for sdpa
 
+INVARIANT_ATTENTION = "medusa_attention"
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The attention of native kernels: a MEDUSA step's queries (a float mask, 0 where a key is seen, or one query
+    seeing every key) through medusa::attention, whose output for a query depends only on the keys it sees, in
+    position order; a tree node then gets bitwise what a one-token pass gives its token. The prefill (a causal
+    pass over the prompt) and anything else through grouped_sdpa. query: [1, H, T, D]; key, value: [1, H_kv, S, D]
+    -> [1, T, H, D]."""
+    mask, queries = attention_mask, query.shape[2]
+    step = (mask is None and queries == 1) or (mask is not None and mask.dtype == query.dtype and mask.dim() == 4
+                                               and mask.shape[:2] == (1, 1) and queries <= MAX_ROWS)
+    if not step or dropout or query.shape[0] != 1 or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
+        return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = torch.ops.medusa.attention(query[0], key[0], value[0], None if mask is None else mask[0, 0], scale)
+    return out[None], None
+
+
+AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)
+AttentionMaskInterface.register(INVARIANT_ATTENTION, sdpa_mask)
+
 
 def compile_error(device: torch.device) -> str | None:
     """Why torch.compile cannot run on `device` here, or None: on a CPU, inductor builds C++ with its compiler."""
@@ -228,39 +279,43 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: native on a CPU in float32 where it builds, else stock. compiled runs anywhere."""
+    """auto: native on a CPU in float32 where it builds, else stock. q8 as native. compiled runs anywhere."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     cpu_fp32 = cpu_float32(device, dtype)
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
-    if kernels == "native" and not cpu_fp32:
+    native = kernels in ("native", "q8")
+    if native and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
-    error = native_build() if kernels == "native" else compile_error(device) if kernels == "compiled" else None
+    error = native_build() if native else compile_error(device) if kernels == "compiled" else None
     if error is not None:
         raise ValueError(f"kernels={kernels!r} cannot run here: {error}")
     return kernels
 
 
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
-    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", and "compiled" on a CPU
-    in float32 where native builds; reading GGUF blocks where its weights are exactly those), the backbone through
-    `torch.compile` with dynamic shapes ("compiled"). Both give a float32 CPU model `grouped_sdpa` attention (in
-    sdpa's place) and its LM head an int8 copy for the heads' guesses (`guess_projection`)."""
+    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", "q8", and "compiled" on a
+    CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with 8-bit
+    activations under "q8": Q8Linear), the backbone through `torch.compile` with dynamic shapes ("compiled"). A
+    float32 CPU model gets `invariant_attention` ("native", "q8") or `grouped_sdpa` ("compiled") in sdpa's place, and
+    its LM head an int8 copy for the heads' guesses (`guess_projection`)."""
     if kernels == "stock":
         return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    if kernels == "native" or (kernels == "compiled" and cpu_fp32 and native_available()):
-        load_native()  # the op the layers call; where "native" was asked for and cannot be built, a clear error
+    native = kernels in ("native", "q8")
+    if native or (kernels == "compiled" and cpu_fp32 and native_available()):
+        load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
             module.__class__ = NativeLinear
             if (found := block_codes(module.weight)) is not None:
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
+                module.__class__ = Q8Linear if kernels == "q8" else NativeLinear
     # measured on a CPU only; models that take no registered attention function keep theirs
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
-        model.set_attn_implementation(GROUPED_SDPA)
+        model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
     if kernels == "compiled" and model.base_model._compiled_call_impl is None:
         # inductor's size asserts re-check every input and op output (840 per SmolLM2 step, ~1 ms on a 2-core CPU)
         # that dynamo's guards and the ops' registered shapes already fix
@@ -302,18 +357,19 @@ def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
 def stock_kernels(model: nn.Module):
     """Runs native linears on stock kernels and a compiled backbone eagerly inside the block: the baseline of what
     `transformers` alone gives."""
-    native = [m for m in model.modules() if type(m) is NativeLinear]
+    native = [(m, type(m)) for m in model.modules() if isinstance(m, NativeLinear)]
     compiled, model.base_model._compiled_call_impl = model.base_model._compiled_call_impl, None
-    grouped = model.config._attn_implementation == GROUPED_SDPA
-    for module in native:
+    attention = model.config._attn_implementation
+    ours = attention in (GROUPED_SDPA, INVARIANT_ATTENTION)
+    for module, _ in native:
         module.__class__ = nn.Linear
-    if grouped:
+    if ours:
         model.set_attn_implementation("sdpa")
     try:
         yield model
     finally:
         model.base_model._compiled_call_impl = compiled
-        for module in native:
-            module.__class__ = NativeLinear
-        if grouped:
-            model.set_attn_implementation(GROUPED_SDPA)
+        for module, kind in native:
+            module.__class__ = kind
+        if ours:
+            model.set_attn_implementation(attention)

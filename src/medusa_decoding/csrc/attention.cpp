@@ -1,0 +1,151 @@
+// medusa::attention(q, k, v, mask, scale) = softmax(q k^T * scale) v over the keys each query may see, for the few
+// queries of a MEDUSA step, computed so that a query's output depends only on the keys it sees, taken in position
+// order: a tree node attending to the prefix and its ancestors gets bitwise what the same token gets in a one-token
+// pass over the same keys. SDPA's does not (its tiling depends on the query count and on where masked keys lie:
+// ~1e-7 apart). With batch-invariant linears (linear.cpp) the whole pass is batch-invariant, so MEDUSA's greedy
+// output is plain decoding's bit for bit, whatever the kernels round (int8 activations included).
+//
+// q [H, T, D], k and v [Hkv, S, D] (H a multiple of Hkv: grouped-query attention; rows contiguous), mask [T, S]
+// additive (0: seen, anything else: not; none: every key) -> [T, H, D]. The seen keys are taken in column order,
+// the cache's: the prefix, then the tree's nodes, parents before children (position order).
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+constexpr int64_t LANES = 16;
+constexpr int64_t MAX_HEAD_DIM = 256;
+
+inline f32x16 load(const float* p, int64_t count) {
+  f32x16 v = {};
+  std::memcpy(&v, p, sizeof(float) * count);
+  return v;
+}
+
+inline f32x16 load(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline float sum(f32x16 s) {
+  return (((s[0] + s[8]) + (s[4] + s[12])) + ((s[2] + s[10]) + (s[6] + s[14]))) +
+         (((s[1] + s[9]) + (s[5] + s[13])) + ((s[3] + s[11]) + (s[7] + s[15])));
+}
+
+// e^x for x <= 0, lane by lane: Cephes' polynomial on x - n ln 2 (relative error ~1e-7; below e^-87, 2^-126 * p)
+inline f32x16 exp16(f32x16 x) {
+  x = x < -87.0f ? f32x16{} - 87.0f : x;
+  f32x16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f, i32x16), f32x16);
+  n = n > x * 1.44269504088896341f + 0.5f ? n - 1 : n;  // floor (the conversion truncates towards zero)
+  x = x - n * 0.693359375f + n * 2.12194440e-4f;
+  const f32x16 z = x * x;
+  f32x16 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * z + x + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
+  f32x16 scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+// softmax(q k^T * scale) v for the query heads h0 .. h0 + G - 1 of one query, which share kv head g, over the keys at
+// `cols`; C: head_dim / 16 when a multiple of 16 (loads of whole vectors), else 0 (any head_dim, lane by lane).
+// Every head's arithmetic is the same whatever G, T or the columns' places: each key's score, the exponentials 16
+// keys a vector in the order seen, the weighted values key by key.
+template <int C>
+void attend(const float* Q, const float* K, const float* V, float* O, const std::vector<int64_t>& cols, int64_t G,
+            int64_t D, int64_t krow, int64_t vrow, float scale, float* p) {
+  const int64_t n = cols.size(), chunks = C ? C : (D + LANES - 1) / LANES;
+  auto chunk = [&](const float* x, int64_t c) { return C ? load(x + c * LANES) : load(x + c * LANES, std::min(LANES, D - c * LANES)); };
+  for (int64_t h = 0; h < G; h++) {
+    const float* qp = Q + h * D;
+    f32x16 q[MAX_HEAD_DIM / LANES];
+    for (int64_t c = 0; c < chunks; c++) q[c] = chunk(qp, c);
+    float* ph = p + h * (n + LANES);
+    float top = -INFINITY;
+    for (int64_t i = 0; i < n; i++) {
+      const float* kp = K + cols[i] * krow;
+      f32x16 acc = q[0] * chunk(kp, 0);
+      for (int64_t c = 1; c < chunks; c++) acc += q[c] * chunk(kp, c);
+      ph[i] = sum(acc) * scale;
+      top = std::max(top, ph[i]);
+    }
+    f32x16 total = {};
+    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+    for (int64_t i = 0; i < n; i += LANES) {  // the row is padded: a whole vector is read and written
+      f32x16 e = exp16(load(ph + i) - top);
+      e = lane < float(n - i) ? e : f32x16{};
+      std::memcpy(ph + i, &e, sizeof e);
+      total += e;
+    }
+    const float inverse = n ? 1 / sum(total) : 0;
+    f32x16 out[MAX_HEAD_DIM / LANES] = {};
+    for (int64_t i = 0; i < n; i++) {
+      const float* vp = V + cols[i] * vrow;
+      for (int64_t c = 0; c < chunks; c++) out[c] += ph[i] * chunk(vp, c);
+    }
+    for (int64_t c = 0; c < chunks; c++) {
+      const f32x16 o = out[c] * inverse;
+      std::memcpy(O + h * D + c * LANES, &o, sizeof(float) * std::min(LANES, D - c * LANES));
+    }
+  }
+}
+
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
+                     double scale) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
+              "medusa::attention: q [H, T, D], k and v [Hkv, S, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "medusa::attention: float32 only");
+  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && D <= MAX_HEAD_DIM, "medusa::attention: H a multiple of Hkv, D <= 256");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "medusa::attention: k and v rows contiguous");
+  std::vector<std::vector<int64_t>> seen(T);  // per query, the columns it sees, in order
+  const at::Tensor m = mask.has_value() ? mask->contiguous() : at::Tensor();
+  if (mask.has_value())
+    TORCH_CHECK(m.dim() == 2 && m.size(0) == T && m.size(1) == S && m.scalar_type() == at::kFloat,
+                "medusa::attention: float32 mask [T, S]");
+  for (int64_t t = 0; t < T; t++) {
+    seen[t].reserve(S);
+    for (int64_t j = 0; j < S; j++)
+      if (!mask.has_value() || m.data_ptr<float>()[t * S + j] == 0) seen[t].push_back(j);
+  }
+  const int64_t G = H / Hkv;
+  const at::Tensor qc = q.transpose(0, 1).contiguous();  // [T, H, D]: a query's heads side by side
+  at::Tensor out = at::empty({T, H, D}, q.options());
+  const float *Q = qc.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const auto run = D % LANES == 0 && D / LANES == 4 ? attend<4> : D % LANES == 0 && D / LANES == 8 ? attend<8> : attend<0>;
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(G * (S + LANES));
+    for (int64_t task = begin; task < end; task++) {  // one query, one kv head and the query heads that share it
+      const int64_t t = task / Hkv, g = task % Hkv;
+      run(Q + (t * H + g * G) * D, K + g * k.stride(0), V + g * v.stride(0), O + (t * H + g * G) * D, seen[t], G, D,
+          k.stride(1), v.stride(1), float(scale), p.data());
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(medusa, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(medusa, CPU, m) {
+  m.impl("attention", &attention);
+}
