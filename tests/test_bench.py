@@ -4,6 +4,7 @@ other and with the per-turn records, losslessness, the plot, and clear errors fo
 import json
 import math
 import re
+import sys
 
 import pytest
 import torch
@@ -122,9 +123,9 @@ def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monk
     run one, or the first long turn times a minute of compiling."""
     prompts, original = [], bench_module.run_decoder
 
-    def recording(name, medusa, ids, config):
+    def recording(name, medusa, ids, config, llama=None):
         prompts.append(len(ids))
-        return original(name, medusa, ids, config)
+        return original(name, medusa, ids, config, llama)
 
     monkeypatch.setattr(bench_module, "run_decoder", recording)
     benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
@@ -265,3 +266,57 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     captured = capsys.readouterr()
     assert "coding" in captured.out and "heads: UNTRAINED" in captured.err
+
+
+class FakeLlama:
+    """llama-cpp-python's Llama as bench uses it (reset, eval, n_tokens, greedy generate), decoding with the tiny
+    transformers model itself: the fourth decoder's plumbing, where llama.cpp is not installed."""
+
+    def __init__(self, model):
+        self.model, self.n_tokens, self.evals = model, 0, []
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        self.evals.append((self.n_tokens, len(tokens)))
+        self.n_tokens += len(tokens)
+
+    def generate(self, tokens, temp, top_k, repeat_penalty):
+        assert temp == 0 and top_k == 1 and repeat_penalty == 1 and self.n_tokens == 0  # greedy, no cache reused
+        ids = torch.tensor(tokens)
+        while True:
+            with torch.no_grad():
+                token = int(self.model(ids[None]).logits[0, -1].argmax())
+            yield token
+            ids = torch.cat([ids, torch.tensor([token])])
+
+
+def test_llama_cpp_runs_as_a_fourth_decoder_with_both_engines_step_latency(tiny, questions, tmp_path):
+    llama = FakeLlama(tiny.model)
+    report = benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS), progress=False, llama=llama)
+    overall = report["overall"]
+    assert set(overall["tokens_per_s"]) == {*DECODERS, bench_module.LLAMA_CPP}
+    assert overall["speedup_vs_llama_cpp"] == pytest.approx(
+        overall["tokens_per_s"]["medusa"] / overall["tokens_per_s"]["llama.cpp"])
+    assert all(turn["llama.cpp"]["steps"] == turn["llama.cpp"]["new_tokens"] for turn in report["turns"])
+    assert overall["totals"]["llama.cpp"]["new_tokens"] == overall["totals"]["plain"]["new_tokens"]  # EOS alike
+    steps = report["step_latency_ms"]
+    assert steps["tokens"] == [1, 4, 8, 16] and len(steps["medusa_engine"]) == len(steps["llama.cpp"]) == 4
+    assert min(steps["medusa_engine"]) > 0 and min(steps["llama.cpp"]) > 0
+    timed = [size for prefix, size in llama.evals if prefix == steps["context"]]  # every size after the prefix
+    assert sorted(set(timed)) == [1, 4, 8, 16] and len(timed) == 4 * (bench_module.CALIBRATION.latency_repeats + 1)
+    text = table(report)
+    assert "llama.cpp tok/s" in text and f"at a {steps['context']}-token context" in text
+    plot(report, tmp_path / "four.png")
+    assert (tmp_path / "four.png").read_bytes()[:4] == b"\x89PNG"
+    with pytest.raises(ValueError, match="greedy"):
+        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, temperature=1.0), progress=False, llama=llama)
+
+
+def test_llama_cpp_not_installed_is_named_with_its_install_command(tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # `import llama_cpp` fails, as where it is not installed
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--questions", write_questions(tmp_path / "q.jsonl", QUESTIONS), "--llama-cpp"])
+    assert exit_info.value.code == 2
+    assert "llama-cpp-python is not installed: pip install 'medusa-decoding[llama]'" in capsys.readouterr().err

@@ -1,6 +1,7 @@
-"""`medusa bench`: MEDUSA against plain decoding (same engine) and `transformers` generate, on MT-Bench.
+"""`medusa bench`: MEDUSA against plain decoding (same engine) and `transformers` generate, on MT-Bench; and, where
+asked, llama.cpp on the same GGUF file (llamacpp.py), with both engines' step latency over 1, 4, 8 and 16 tokens.
 
-Every turn of every question is answered by the three decoders one after the other (their order rotating
+Every turn of every question is answered by the decoders one after the other (their order rotating
 from turn to turn), so machine noise hits them alike. Turn 2's history holds the PLAIN decoder's answer to
 turn 1, so all three see the same prompt (greedy MEDUSA's answer is the same anyway: it is lossless).
 
@@ -22,13 +23,17 @@ from tqdm import tqdm
 
 from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptance, greedy_trees, measure_accuracy,
                         measure_step_latency)
+from . import llamacpp
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
 from .guard import Ladder
 from .kernels import MAX_ROWS, guess_projection, stock_kernels
 from .model import GenerationOutput, MedusaModel
+from .tree import Tree
 
 DECODERS = ("medusa", "plain", "transformers")
+LLAMA_CPP = "llama.cpp"  # a fourth decoder where `benchmark` is given a llama.cpp model
+STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
 
@@ -132,24 +137,34 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text=medusa.decode(new), seconds=seconds)
 
 
-def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig) -> GenerationOutput:
+def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig,
+                llama=None) -> GenerationOutput:
     if name == "transformers":
         return hf_generate(medusa, ids, config)
+    if name == LLAMA_CPP:
+        out = llamacpp.generate(llama, ids.tolist(), config.max_new_tokens, medusa.eos_ids)
+        out.text = medusa.decode(out.token_ids)
+        return out
     return medusa.generate(ids, config=config, medusa=name == "medusa")
 
 
-def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int) -> dict[str, GenerationOutput]:
-    """The three decoders on one prompt, their order rotated by `turn` so none always runs first."""
-    order = DECODERS[turn % len(DECODERS):] + DECODERS[: turn % len(DECODERS)]
-    return {name: run_decoder(name, medusa, ids, config) for name in order}
+def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int,
+                llama=None) -> dict[str, GenerationOutput]:
+    """Every decoder on one prompt, their order rotated by `turn` so none always runs first."""
+    names = DECODERS + ((LLAMA_CPP,) if llama is not None else ())
+    order = names[turn % len(names):] + names[: turn % len(names)]
+    return {name: run_decoder(name, medusa, ids, config, llama) for name in order}
 
 
 # --- the benchmark ------------------------------------------------------------------------------------------
 
 
 def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True,
-              accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = ()) -> dict:
+              accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = (), llama=None) -> dict:
     """Runs every turn with each decoder; returns the report (see `report`).
+
+    llama: a llama.cpp model (llamacpp.load) of the same GGUF file: a fourth decoder (greedy only), and the step
+    latency of both engines over STEP_TOKENS tokens in the report.
 
     accuracy: the heads' calibrated table [K, S]: then the speed the calibration model predicts (measured step
     latency x expected tokens per step) is set beside the measured one, for the tree used and for MEDUSA with
@@ -161,10 +176,12 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         raise ValueError("questions: none to run")
     if sweep and accuracy is None:
         raise ValueError("sweep: needs the heads' accuracy table (run medusa calibrate on them)")
+    if llama is not None and config.temperature > 0:
+        raise ValueError("llama.cpp: bench compares it in greedy decoding (temperature 0)")
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
     # compiled kernels: a prefill over more than MAX_ROWS tokens (stock linears) compiles a graph of its own
     for ids in (warmup, warmup.repeat(MAX_ROWS // len(warmup) + 1)):
-        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0)
+        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
     # compiled kernels compile a pass size on its first call: never on the clock (nor a tree the guard picks later)
@@ -180,7 +197,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         for number, text in enumerate(question.turns):
             history.append({"role": "user", "content": text})
             ids = medusa.encode(messages=history)
-            outputs = answer_turn(medusa, ids, config, len(turns))
+            outputs = answer_turn(medusa, ids, config, len(turns), llama)
             turns.append((question, number, len(ids), outputs))
             for view, outs in zip(swept, sweep_outputs):
                 outs.append(view.generate(ids, config=config))
@@ -189,6 +206,8 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         conversations.append(history)
     bar.close()
     result = report(turns, config, medusa.model.device)
+    if llama is not None:
+        result["step_latency_ms"] = step_latency(medusa, llama, turns)
     result["heads_accuracy"] = heads_accuracy(medusa, conversations, result["overall"]["new_tokens"])
     vocab = getattr(guess_projection(medusa.model), "rows", None)  # the tokens the heads guess from; None: all
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
@@ -200,6 +219,19 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         decoders += [("sweep", view.trees, outs) for view, outs in zip(swept, sweep_outputs)]
         result["prediction"] = predictions(medusa, accuracy, decoders, turns)
     return result
+
+
+def step_latency(medusa: MedusaModel, llama, turns: list) -> dict:
+    """Both engines' step over STEP_TOKENS tokens at the run's mean context: plain steps and trees (one head's top
+    3, 7, 15) of MEDUSA, and llama.cpp's decode call over as many tokens (milliseconds, medians)."""
+    context = round(sum(prompt_len + len(outputs["plain"].token_ids) / 2 for *_, prompt_len, outputs in turns) / len(turns))
+    trees = [Tree.from_spec([n - 1] if n > 1 else []) for n in STEP_TOKENS]
+    timing = replace(CALIBRATION, latency_contexts=(context,))
+    _, (engine,) = measure_step_latency(medusa, trees, timing)
+    prefix = torch.randint(medusa.heads.config.vocab_size, (context,), generator=torch.Generator().manual_seed(0))
+    theirs = llamacpp.step_latency(llama, prefix.tolist(), list(STEP_TOKENS), timing.latency_repeats)
+    return {"context": context, "tokens": list(STEP_TOKENS), "medusa_engine": [1000 * s for s in engine],
+            LLAMA_CPP: [1000 * s for s in theirs]}
 
 
 def heads_accuracy(medusa: MedusaModel, conversations: list[list[dict]], positions: int) -> dict:
@@ -274,11 +306,12 @@ def ratio(a: float, b: float) -> float:
 
 def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     """The figures for some turns. speedup = acceleration_rate / overhead exactly: plain makes one token a step."""
-    totals = {name: Totals() for name in DECODERS}
+    totals = {name: Totals() for name in outputs[0]}  # DECODERS, and llama.cpp where it ran
     for turn in outputs:
         for name, out in turn.items():
             totals[name].add(out)
     medusa, plain, hf = (totals[name] for name in DECODERS)
+    llama = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
     trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
         "turns": len(outputs),
@@ -286,7 +319,8 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "overhead": ratio(medusa.seconds_per_step, plain.seconds_per_step),
         "speedup": ratio(medusa.tokens_per_s, plain.tokens_per_s),
         "speedup_vs_transformers": ratio(medusa.tokens_per_s, hf.tokens_per_s),
-        "tokens_per_s": {name: totals[name].tokens_per_s for name in DECODERS},
+        **llama,
+        "tokens_per_s": {name: t.tokens_per_s for name, t in totals.items()},
         "new_tokens": medusa.new_tokens,
         "steps": medusa.steps,
         "accept_lengths": {str(n): medusa.accept_lengths[n] for n in sorted(medusa.accept_lengths)},
@@ -311,7 +345,7 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
              **{name: {"new_tokens": len(o.token_ids), "steps": o.steps, "seconds": o.seconds}
-                for name, o in sorted(outputs.items(), key=lambda item: DECODERS.index(item[0]))}}
+                for name, o in sorted(outputs.items(), key=lambda item: (DECODERS + (LLAMA_CPP,)).index(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
         "config": {**{k: v for k, v in asdict(config).items() if k != "medusa"}, "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},
@@ -326,17 +360,24 @@ def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
               f"{'tokens/step':>11} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
-    rows = [header]
+    llama = "speedup_vs_llama_cpp" in report["overall"]
+    rows = [header + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
         speed = s["tokens_per_s"]
         rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
                     f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['mean_tree_size']:>5.1f} "
                     f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
-                    f"{s['speedup_vs_transformers']:>5.2f}x")
+                    f"{s['speedup_vs_transformers']:>5.2f}x"
+                    + (f" {speed[LLAMA_CPP]:>15.1f} {s['speedup_vs_llama_cpp']:>11.2f}x" if llama else ""))
     rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
                 "guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
+    if "step_latency_ms" in report:
+        steps = report["step_latency_ms"]
+        rows.append(f"step latency (ms, median) at a {steps['context']}-token context, by tokens in the pass: "
+                    + ", ".join(f"{n}: MEDUSA engine {a:.1f}, llama.cpp {b:.1f}"
+                                for n, a, b in zip(steps["tokens"], steps["medusa_engine"], steps[LLAMA_CPP])))
     accuracy = report["heads_accuracy"]
     rows.append("heads on these answers (teacher-forced), top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"])
                 + "; top-5: " + " ".join(f"{a:.3f}" for a in accuracy["top5"]))
@@ -358,7 +399,7 @@ def table(report: dict) -> str:
 
 
 def plot(report: dict, path) -> None:
-    """One PNG: tokens/s by category for the three decoders; the trees MEDUSA's steps verified, by category; tokens
+    """One PNG: tokens/s by category for every decoder; the trees MEDUSA's steps verified, by category; tokens
     per MEDUSA forward pass; with predictions, speed against tree size, measured and predicted."""
     import matplotlib
 
@@ -372,15 +413,16 @@ def plot(report: dict, path) -> None:
     grid = figure.add_gridspec(2, 3 if predicted else 2, width_ratios=[2, 1, 1.3][: 3 if predicted else 2])
     bars, trees, histogram = figure.add_subplot(grid[0, :]), figure.add_subplot(grid[1, 0]), figure.add_subplot(grid[1, 1])
     speed = [figure.add_subplot(grid[1, 2])] if predicted else []
-    width = 1 / (len(DECODERS) + 1)
-    for i, decoder in enumerate(DECODERS):
-        positions = [n + (i - 1) * width for n in range(len(names))]
+    decoders = list(report["overall"]["tokens_per_s"])  # DECODERS, and llama.cpp where it ran
+    width = 1 / (len(decoders) + 1)
+    for i, decoder in enumerate(decoders):
+        positions = [n + (i - (len(decoders) - 1) / 2) * width for n in range(len(names))]
         bars.bar(positions, [s["tokens_per_s"][decoder] for s in stats], width, label=decoder)
     bars.set_xticks(range(len(names)), names, rotation=30, ha="right")
     bars.set_ylabel("new tokens / s")
     bars.set_title(f"speed by category (speedup vs plain {report['overall']['speedup']:.2f}x)")
     bars.margins(y=0.15)  # headroom for the legend
-    bars.legend(ncol=len(DECODERS), loc="upper left")
+    bars.legend(ncol=len(decoders), loc="upper left")
     plot_trees(trees, names, stats)
     lengths = report["overall"]["accept_lengths"]
     histogram.bar([int(n) for n in lengths], list(lengths.values()), color="tab:blue")

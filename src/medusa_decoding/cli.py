@@ -196,8 +196,10 @@ def cmd_distill(args) -> None:
 def cmd_bench(args) -> None:
     import torch
 
+    from . import default_model, llamacpp
     from .bench import benchmark, plot, read_questions, table
     from .calibrate import read_accuracy
+    from .decoding import context_limit
 
     if args.threads is not None:
         if args.threads < 1:
@@ -211,11 +213,18 @@ def cmd_bench(args) -> None:
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
     if any(n < 1 for n in sweep):
         raise ValueError(f"sweep: tree sizes must be positive integers, got {args.sweep!r}")
+    if args.llama_cpp is not None:
+        llamacpp.require()
+        if not args.llama_cpp and args.model:
+            raise ValueError("--llama-cpp: give the GGUF file of --model (only the embedded default's is known)")
     medusa = load(args)
+    llama = None if args.llama_cpp is None else llamacpp.load(args.llama_cpp or default_model.gguf_path(),
+                                                               torch.get_num_threads(), context_limit(medusa.model))
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep)
+    report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
+                       llama=llama)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads))
@@ -380,6 +389,9 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
+    p.add_argument("--llama-cpp", nargs="?", const="", metavar="GGUF",
+                   help="also time llama.cpp (llama-cpp-python, an optional extra) on this GGUF file (default: the "
+                   "embedded default's), greedy, and both engines' step over 1/4/8/16 tokens")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("calibrate", help="measure head accuracy and step latency; write the fastest tree beside the heads")
@@ -397,7 +409,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, OSError) as error:
+    except (ValueError, FileNotFoundError, OSError, ModuleNotFoundError) as error:  # ...: an optional extra
         print(f"medusa {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C: stop quietly, as a shell command does
