@@ -26,7 +26,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
                             help="kernels: auto (native on a CPU in float32 where it builds, else stock), stock, "
-                            "native (batch-invariant few-token linears, built once per machine), "
+                            "native (batch-invariant few-token linears and attention, built once per machine), "
+                            "q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
                             "compiled (torch.compile: minutes of compiling first, then faster steps)")
 
 

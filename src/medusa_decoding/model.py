@@ -116,8 +116,9 @@ class MedusaModel:
             "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
             a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native" or
-            "compiled" (the backbone through torch.compile: its first calls compile for minutes on a small CPU).
+        kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native", "q8" (native
+            with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the backbone through
+            torch.compile: its first calls compile for minutes on a small CPU).
         """
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
