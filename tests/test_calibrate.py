@@ -285,6 +285,9 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
     monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
     assert MedusaModel.from_pretrained(base, heads).tree is tree
     assert MedusaModel.from_pretrained(base, heads, tree=None).tree == Tree.from_spec([[0], [1], [2]])
+    monkeypatch.setattr(calibrate, "code_digest", lambda: "other kernels")  # latencies timed on other code: refit
+    with pytest.raises(AssertionError, match="the cached fit must be used"):
+        MedusaModel.from_pretrained(base, heads)
 
 
 def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):

@@ -30,7 +30,7 @@ from .config import CalibrateConfig, GenerationConfig
 from .decoding import context_limit, guess, prefill, propose, verify
 from .default_model import cache_root
 from .guard import Ladder
-from .kernels import guess_projection, reads_blocks, set_guess_vocab
+from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -346,13 +346,14 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time.
 
     The calibration's own latency fit where it was measured on this very setup; else one fitted now (seconds of
-    latency measurement) and cached under cache_root()/trees, keyed by model, heads, setup and what is measured.
+    latency measurement) and cached under cache_root()/trees, keyed by model, heads, setup, the kernels' code and
+    what is measured.
     """
     here = setup(medusa)
     if calibration.setup == here and calibration.fit is not None:
         return ladder(calibration.accuracy, **calibration.fit)
     vocab = calibration.guess_vocab
-    what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here,
+    what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
             None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"

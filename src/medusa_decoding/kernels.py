@@ -24,11 +24,16 @@ hundreds of small ops per pass (norms, rotary, the tree mask). Not the default: 
 minutes on a 2-core CPU (less with inductor's on-disk cache), which only a long-running process (`medusa serve`,
 `medusa bench`) wins back.
 
-Both also run a tree pass's attention through `grouped_sdpa`: with a mask and more than one query, `transformers`'
-SDPA copies every key and value once per query head that shares them (`repeat_kv`: 3x for SmolLM2, the whole
-cache, every layer, every step); SDPA's own grouped-query support reads them in place (SmolLM2, 2-core Xeon,
-348-token context: a 4-token step 41.5 -> 38.4 ms, an 8-token one 46.0 -> 43.4; a 1-token step, which
-`transformers` already packs, unchanged).
+`q8` reads the same blocks with each token's activations quantized to 8 bits per block and integer dot products
+(`Q8Linear`, llama.cpp's arithmetic): approximate, faster over one token, not over a tree.
+
+`native` and `q8` run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each query over the
+keys it sees, in position order, so that a tree node gets bitwise what a one-token pass gives its token; with
+batch-invariant linears a tree pass is then bitwise a run of one-token passes. `compiled` runs it through
+`grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key and value once per query
+head that shares them (`repeat_kv`: 3x for SmolLM2, the whole cache, every layer, every step); SDPA's own
+grouped-query support reads them in place (SmolLM2, 2-core Xeon, 348-token context: a 4-token step 41.5 -> 38.4 ms,
+an 8-token one 46.0 -> 43.4; a 1-token step, which `transformers` already packs, unchanged).
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
 output stays the same. Under native or compiled kernels on a CPU in float32 they go through an int8 copy of the LM
@@ -40,6 +45,7 @@ the tokens answers use most in that copy. Measured side by side: benchmarks/cpu_
 
 import contextlib
 import functools
+import hashlib
 import os
 import shutil
 import sys
@@ -92,6 +98,16 @@ def native_build() -> str | None:
     return None
 
 
+@functools.cache
+def code_digest() -> str:
+    """A digest of the code that runs a step here (this module and the native sources): step latencies measured
+    under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
+    digest = hashlib.sha256(Path(__file__).read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    return digest.hexdigest()[:16]
+
+
 def load_native() -> None:
     """Loads medusa::linear, building it once; a RuntimeError saying why where it cannot be built."""
     if (error := native_build()) is not None:
@@ -128,9 +144,10 @@ class NativeLinear(nn.Linear):
 
 class Q8Linear(NativeLinear):
     """A NativeLinear on GGUF blocks whose few-row passes quantize each token's activations to 8 bits per block of 32
-    and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic): about 1.5x faster than decoding the
-    blocks to float32, still batch-invariant, and approximate (`benchmarks/q8_fidelity.py` measures how far from the
-    float32 model). `path`: the instructions (Q8_PATHS' index; -1: the fastest this CPU runs; tests force each)."""
+    and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic): still batch-invariant, approximate
+    (`benchmarks/q8_fidelity.py` measures how far from the float32 model), faster over one token (SmolLM2's linears
+    1.2-1.4x on 2 cores), not from 4 tokens on. `path`: the instructions (Q8_PATHS' index; -1: the fastest this CPU
+    runs; tests force each)."""
 
     path = -1
 
@@ -312,7 +329,8 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
             if (found := block_codes(module.weight)) is not None:
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
-                module.__class__ = Q8Linear if kernels == "q8" else NativeLinear
+                if kernels == "q8":
+                    module.__class__ = Q8Linear
     # measured on a CPU only; models that take no registered attention function keep theirs
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)

@@ -245,11 +245,15 @@ inline u8x64 unpack(const uint8_t* c, bool second) {
                                  43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
 }
 
-// Each path: lane l of dot(w, x) = the sum of w[j] * x[j] over j = 4l .. 4l + 3, for Q4_1's codes w < 16 and x
-// signed in [-127, 127]; for Q8_0's (w = q + 128) the lane minus 128 times the sum of its 4 x (`x128`, given).
-struct Scalar {
+// Each path: prepare(codes) the pair's 64 codes as `unpack` gives them; lane l of dot(w, x) = the sum of w[j] * x[j]
+// over j = 4l .. 4l + 3, for Q4_1's codes w < 16 and x signed in [-127, 127]; for Q8_0's (w = q + 128) the lane minus
+// 128 times the sum of its 4 x (`x128`, given); fma(a, b, acc) lane by lane, fused.
+struct Unpacked {
   template <int BITS>
   static u8x64 prepare(const uint8_t* c, bool second) { return unpack<BITS>(c, second); }
+};
+
+struct Scalar : Unpacked {
   static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
     i32x16 lanes = {};
     for (int j = 0; j < PAIR; j++) lanes[j / 4] += int32_t(w[j]) * int32_t(x[j]);
@@ -283,9 +287,7 @@ __attribute__((target("avx2"))) inline __m256i half(u8x64 w, int h) {
 
 // AVX2: pairs of u8 x s8 products to int16 (w < 256 and |x| <= 127 could saturate: Q8_0's w are split as 128 + q
 // first, |q| <= 128: products fit), then to int32
-struct Avx2 {
-  template <int BITS>
-  static u8x64 prepare(const uint8_t* c, bool second) { return unpack<BITS>(c, second); }
+struct Avx2 : Unpacked {
   __attribute__((target("avx2,fma"))) static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
     i32x16 lanes;
     for (int h = 0; h < 2; h++) {
@@ -302,9 +304,7 @@ struct Avx2 {
   __attribute__((target("avx2,fma"))) Q8_FMA_256
 };
 
-struct AvxVnni {
-  template <int BITS>
-  static u8x64 prepare(const uint8_t* c, bool second) { return unpack<BITS>(c, second); }
+struct AvxVnni : Unpacked {
   __attribute__((target("avx2,fma,avxvnni"))) static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
     i32x16 lanes;
     for (int h = 0; h < 2; h++) {
