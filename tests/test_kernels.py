@@ -55,6 +55,17 @@ def gguf_exact(weight: torch.Tensor, qtype: str) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(quants.quantize(weight.detach().numpy(), kind), kind))
 
 
+def gguf_model(family: str):
+    """A lively model whose weights are what a GGUF file holds, as the embedded default's: linears Q4_1, the
+    (tied) embedding Q8_0."""
+    model = lively_model(family, seed=FAMILIES.index(family))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if parameter.ndim == 2:
+                parameter.copy_(gguf_exact(parameter, "Q8_0" if "embed" in name else "Q4_1"))
+    return model
+
+
 @needs_native
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
 def test_gguf_blocks_are_read_to_the_same_bits(qtype, bits):
@@ -84,11 +95,7 @@ def test_weights_that_are_not_exact_blocks_keep_float32():
 @needs_native
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(family):
-    model = lively_model(family, seed=FAMILIES.index(family))
-    with torch.no_grad():  # as the embedded default: linears Q4_1, the tied embedding Q8_0
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 2:
-                parameter.copy_(gguf_exact(parameter, "Q8_0" if "embed" in name else "Q4_1"))
+    model = gguf_model(family)
     reference = greedy_reference(model, PROMPT, NEW_TOKENS)
     native = native_copy(model)
     linears = [m for m in native.modules() if isinstance(m, NativeLinear)]
@@ -351,17 +358,6 @@ def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads
         seen = torch.cat([torch.arange(prefix), prefix + tree.attention[node].nonzero()[:, 0]])
         alone = torch.ops.medusa.attention(q[:, node : node + 1], k[:, seen], v[:, seen], None, scale)
         assert torch.equal(alone[0], out[node])
-
-
-def gguf_model(family: str):
-    """A lively model whose weights are what a GGUF file holds, as the embedded default's: linears Q4_1, the
-    (tied) embedding Q8_0."""
-    model = lively_model(family, seed=FAMILIES.index(family))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if parameter.ndim == 2:
-                parameter.copy_(gguf_exact(parameter, "Q8_0" if "embed" in name else "Q4_1"))
-    return model
 
 
 @needs_native
