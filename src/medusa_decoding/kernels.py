@@ -146,17 +146,15 @@ class Q8Linear(NativeLinear):
     """A NativeLinear on GGUF blocks whose few-row passes quantize each token's activations to 8 bits per block of 32
     and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic): still batch-invariant, approximate
     (`benchmarks/q8_fidelity.py` measures how far from the float32 model), faster over one token (SmolLM2's linears
-    1.2-1.4x on 2 cores), not from 4 tokens on. `path`: the instructions (Q8_PATHS' index; -1: the fastest this CPU
-    runs; tests force each)."""
-
-    path = -1
+    1.2-1.4x on 2 cores), not from 4 tokens on. It runs the fastest instructions this CPU has; the op's `path`
+    argument forces others (Q8_PATHS' index: tests run each)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * x.shape[-1]:
             return nn.functional.linear(x, self.weight, self.bias)
         codes = self._buffers["codes"]
         out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), codes, self._buffers["scales"],
-                                         8 * codes.shape[1] // x.shape[-1], Q8Linear.path)
+                                         8 * codes.shape[1] // x.shape[-1], -1)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
