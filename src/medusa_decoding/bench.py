@@ -21,9 +21,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from . import llamacpp
 from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptance, greedy_trees, measure_accuracy,
                         measure_step_latency)
-from . import llamacpp
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
 from .guard import Ladder
@@ -33,6 +33,7 @@ from .tree import Tree
 
 DECODERS = ("medusa", "plain", "transformers")
 LLAMA_CPP = "llama.cpp"  # a fourth decoder where `benchmark` is given a llama.cpp model
+ORDER = DECODERS + (LLAMA_CPP,)  # how reports list the decoders that ran
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
@@ -306,7 +307,7 @@ def ratio(a: float, b: float) -> float:
 
 def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     """The figures for some turns. speedup = acceleration_rate / overhead exactly: plain makes one token a step."""
-    totals = {name: Totals() for name in outputs[0]}  # DECODERS, and llama.cpp where it ran
+    totals = {name: Totals() for name in ORDER if name in outputs[0]}  # DECODERS, and llama.cpp where it ran
     for turn in outputs:
         for name, out in turn.items():
             totals[name].add(out)
@@ -345,7 +346,7 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
              **{name: {"new_tokens": len(o.token_ids), "steps": o.steps, "seconds": o.seconds}
-                for name, o in sorted(outputs.items(), key=lambda item: (DECODERS + (LLAMA_CPP,)).index(item[0]))}}
+                for name, o in sorted(outputs.items(), key=lambda item: ORDER.index(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
         "config": {**{k: v for k, v in asdict(config).items() if k != "medusa"}, "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},

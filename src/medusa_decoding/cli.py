@@ -410,7 +410,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         args.run(args)
-    except (ValueError, FileNotFoundError, OSError, ModuleNotFoundError) as error:  # ...: an optional extra
+    except (ValueError, FileNotFoundError, OSError, ModuleNotFoundError) as error:  # the last: an optional extra missing
         print(f"medusa {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # Ctrl-C: stop quietly, as a shell command does

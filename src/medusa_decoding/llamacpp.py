@@ -1,7 +1,6 @@
 """llama.cpp beside MEDUSA: what a CPU user runs today on the same GGUF file, timed on the same prompts.
 
-`medusa bench --llama-cpp` and `benchmarks/cpu_kernels.py --llama-cpp` run it through `llama-cpp-python`, an optional
-extra (`pip install 'medusa-decoding[llama]'`; it builds llama.cpp from source for this CPU), never needed by the
+`medusa bench --llama-cpp` runs it through `llama-cpp-python`, an optional extra (`pip install 'medusa-decoding[llama]'`; it builds llama.cpp from source for this CPU), never needed by the
 tests. Greedy (temperature 0), one token per llama.cpp decode call, the prompt's prefill on the clock, no prompt
 cache carried from one request to the next.
 """
@@ -12,7 +11,7 @@ from pathlib import Path
 
 from .model import GenerationOutput
 
-INSTALL = "pip install 'medusa-decoding[llama]' (llama-cpp-python: builds llama.cpp for this CPU, about 10 minutes)"
+INSTALL = "pip install 'medusa-decoding[llama]' (llama-cpp-python: builds llama.cpp for this CPU, about 15 minutes on 2 cores)"
 
 
 def require():
