@@ -133,6 +133,29 @@ def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monk
     assert max(prompts[:-timed]) > MAX_ROWS
 
 
+def test_repeat_counts_each_decoders_fastest_run_and_rotates_who_goes_first(tiny, questions, monkeypatch):
+    calls, original = [], bench_module.run_decoder
+    round_seconds = (9.0, 1.0, 5.0)  # every decoder's run of the second round is its fastest
+
+    def timed(name, medusa, ids, config, llama=None):
+        out = original(name, medusa, ids, config, llama)
+        out.seconds = round_seconds[len(calls) // len(DECODERS)]
+        calls.append(name)
+        return out
+
+    monkeypatch.setattr(bench_module, "run_decoder", timed)
+    outputs = bench_module.answer_turn(tiny, tiny.encode("w1 w2"), GenerationConfig(max_new_tokens=TOKENS), 0,
+                                       repeat=3)
+    rounds = [calls[i: i + len(DECODERS)] for i in range(0, len(calls), len(DECODERS))]
+    assert [r[0] for r in rounds] == list(DECODERS) and all(sorted(r) == sorted(DECODERS) for r in rounds)
+    assert {name: out.seconds for name, out in outputs.items()} == {name: 1.0 for name in DECODERS}
+    with pytest.raises(ValueError, match="repeat"):  # sampling without a seed: the runs differ
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, temperature=0.8), progress=False,
+                  repeat=2)
+    with pytest.raises(ValueError, match="repeat"):
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, repeat=0)
+
+
 def test_typical_at_temperature_zero_is_checked(tiny, questions):
     report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, acceptance="typical"), progress=False)
     assert report["lossless"] is True and report["config"]["rule"] == "typical"

@@ -13,7 +13,7 @@ from medusa_decoding import decoding
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, decode
-from medusa_decoding.guard import EXPLORE_EVERY, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder, yields
+from medusa_decoding.guard import EXPLORE_EVERY, OPENING, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder, yields
 from medusa_decoding.tree import Tree, build
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -24,12 +24,21 @@ SIZES = (0, 1, 2, 3, 5, 8)
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def make_ladder(expected=None, latency=None, contexts=(100,), start=2) -> Ladder:
+def make_ladder(expected=None, latency=None, contexts=(100,)) -> Ladder:
     """The best trees of SIZES along ORDER. Defaults: a tree yields 1 + 0.3 a node, costs 1 + 0.05 a node."""
     trees = tuple(build(tuple(ORDER[:n])) for n in SIZES)
     expected = expected or tuple(1 + 0.3 * n for n in SIZES)
     latency = latency or tuple(tuple(1 + 0.05 * n for n in SIZES) for _ in contexts)
-    return Ladder(trees, tuple(expected), tuple(contexts), tuple(latency), start)
+    return Ladder(trees, tuple(expected), tuple(contexts), tuple(latency))
+
+
+def opened(ladder: Ladder) -> Guard:
+    """A guard past its request's opening plain steps, which showed nothing: no guesses, not timed."""
+    guard = Guard(ladder, root=0)
+    for _ in range(guard.opening):
+        assert guard.choose(100) == (ladder.trees[0], guard.watched)
+        guard.record(None, [1], None, 100)
+    return guard
 
 
 def sizes_used(model, heads, ladder: Ladder, reference: list[int]) -> list[int]:
@@ -77,14 +86,13 @@ def test_latency_is_linear_between_the_measured_contexts_and_flat_beyond():
 @pytest.mark.parametrize("change, message", [
     ({"trees": (build(ORDER[:2]), build(((0,), (2,)))) * 3}, "hold the nodes"),
     ({"expected_tokens": (1.0, 1.3)}, "expected yields"),
-    ({"start": 6}, "start"),
     ({"contexts": (300, 100), "latency_s": ((1.0,) * 6,) * 2}, "contexts must increase"),
     ({"contexts": (100, 300)}, "one latency row each"),
     ({"latency_s": ((1.0, 1.0, 0.0, 1.0, 1.0, 1.0),)}, "positive step latency"),
 ])
 def test_a_malformed_ladder_is_refused(change, message):
     good = make_ladder()
-    fields = {name: getattr(good, name) for name in ("trees", "expected_tokens", "contexts", "latency_s", "start")}
+    fields = {name: getattr(good, name) for name in ("trees", "expected_tokens", "contexts", "latency_s")}
     with pytest.raises(ValueError, match=message):
         Ladder(**{**fields, **change})
 
@@ -143,20 +151,22 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     monkeypatch.setattr(decoding, "guess", lambda *args: guessed.append(1) or guess(*args))
     monkeypatch.setattr(Guard, "choose", lambda guard, context: guards.add(guard) or chosen.append(choose(guard, context))
                         or chosen[-1])
-    promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES), start=5)  # the largest tree, 1 + 0.5 a node
+    promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins
     used = sizes_used(model, wrong, promised, reference)
     late = used[len(used) // 2:]
     assert late.count(0) / len(late) > 0.8
     (guard,) = guards
-    probes = [guessing for tree, guessing in chosen if tree is PLAIN and guessing]
-    assert len(probes) == guard.plain_steps // PROBE_EVERY and all(g == guard.watched for g in probes)
+    assert all(guessing == guard.watched for _, guessing in chosen[:guard.opening])  # the opening: plain, guessing
+    probes = [guessing for tree, guessing in chosen[guard.opening:] if tree is PLAIN and guessing]
+    assert len(probes) == guard.plain_steps // PROBE_EVERY - guard.opening // PROBE_EVERY
+    assert all(g == guard.watched for g in probes)
     assert all(guessing for tree, guessing in chosen if tree is not PLAIN)  # a tree's own, or the whole ladder's
     assert len(guessed) == sum(guessing is not None for _, guessing in chosen)
 
 
 def test_right_heads_grow_the_tree_a_pessimistic_calibration_started_small(llama):
     model, reference, oracle = llama
-    doubtful = make_ladder(expected=(1.0,) * len(SIZES), start=0)  # calibrated: the heads never help; plain first
+    doubtful = make_ladder(expected=(1.0,) * len(SIZES))  # calibrated: the heads never help
     used = sizes_used(model, oracle, doubtful, reference)
     assert used[0] == 0 and sum(used[len(used) // 2:]) / len(used[len(used) // 2:]) >= 3
     assert len(reference) / (len(used) + 1) > 1.5  # tokens per forward pass
@@ -166,8 +176,8 @@ def test_trees_that_run_slower_than_calibrated_lose_to_plain_steps_timed_beside_
     """Calibrated, the trees win by a little (1 + 0.06 tokens a node at 1 + 0.05 a node); this machine runs them 1.6x
     slower than that, and plain steps as calibrated. Timing the plain steps it takes between trees, the guard turns
     to plain."""
-    ladder = make_ladder(expected=tuple(1 + 0.06 * n for n in SIZES), start=5)  # calibrate's: the largest first
-    guard = Guard(ladder, root=0)
+    ladder = make_ladder(expected=tuple(1 + 0.06 * n for n in SIZES))
+    guard = opened(ladder)
     picks = []
     for _ in range(400):
         tree, _ = guard.choose(100)
@@ -181,7 +191,7 @@ def test_trees_that_run_slower_than_calibrated_lose_to_plain_steps_timed_beside_
 
 def test_trees_timed_as_calibrated_keep_running():
     ladder = make_ladder()
-    guard = Guard(ladder, root=0)
+    guard = opened(ladder)
     for _ in range(200):
         tree, _ = guard.choose(100)
         guard.record(None, [1], ladder.latency(100)[guard.choice] * 1.3, 100)  # a slower machine: all alike
@@ -189,7 +199,7 @@ def test_trees_timed_as_calibrated_keep_running():
 
 
 def test_one_preempted_step_moves_the_estimate_by_at_most_a_bounded_factor():
-    guard = Guard(make_ladder(), root=0)
+    guard = opened(make_ladder())
     guard.choose(100)
     calibrated = guard.ladder.latency(100)[guard.choice]
     guard.record(None, [1], calibrated, 100)  # as calibrated
@@ -202,6 +212,23 @@ def test_one_preempted_step_moves_the_estimate_by_at_most_a_bounded_factor():
     assert guard.time_factor[guard.choice] - before == pytest.approx(guard_module.SMOOTHING * (TIME_CLIP * before - before))
 
 
+def test_neither_a_requests_first_step_nor_a_plain_step_that_guesses_is_timed():
+    """The first step carries one-off costs, and a guess in a plain step would make plain steps seem dearer."""
+    ladder = make_ladder()
+    guard = Guard(ladder, root=0)
+    top_k, depth = guard.watched
+    plain = ladder.latency(100)[0]
+    assert guard.choose(100) == (PLAIN, guard.watched)
+    guard.record(torch.zeros(depth, top_k, dtype=torch.long), [1], 5 * plain, 100)
+    assert guard.time_factor == [None] * len(SIZES)
+    guard.choose(100)
+    guard.record(torch.zeros(depth, top_k, dtype=torch.long), [1], 5 * plain, 100)
+    assert guard.time_factor == [None] * len(SIZES)
+    guard.choose(100)
+    guard.record(None, [1], 1.5 * plain, 100)  # plain alone: timed
+    assert guard.time_factor[0] == pytest.approx(1.5)
+
+
 def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():
     tree = build(ORDER[:3])
     guard = Guard(Ladder.fixed(tree), root=0)
@@ -212,11 +239,11 @@ def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():
 
 
 def test_a_tree_predicted_a_little_faster_is_not_worth_a_switch():
-    ladder = make_ladder(expected=(1.0, 1.2, 1.3, 1.4, 1.6, 2.0), latency=((1.0, 1.2, 1.3, 1.4, 1.6, 2.0),), start=2)
-    guard = Guard(ladder, root=0)  # every tree predicts the same speed: the start stays
-    assert all(guard.choose(100)[0] is ladder.trees[2] for _ in range(5))
+    ladder = make_ladder(expected=(1.0, 1.2, 1.3, 1.4, 1.6, 2.0), latency=((1.0, 1.2, 1.3, 1.4, 1.6, 2.0),))
+    guard = opened(ladder)  # every tree predicts the same speed: plain steps stay
+    assert all(guard.choose(100)[0] is PLAIN for _ in range(5))
     guard.tokens[4] = 1.6 * (1 + (SWITCH_MARGIN - 1) / 2)  # faster by half the margin: within the noise
-    assert guard.choose(100)[0] is ladder.trees[2]
+    assert guard.choose(100)[0] is PLAIN
     guard.tokens[4] = 1.6 * (1 + (SWITCH_MARGIN - 1) * 2)
     assert guard.choose(100)[0] is ladder.trees[4]
 

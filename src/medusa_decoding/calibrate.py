@@ -133,15 +133,13 @@ class Calibration:
 def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latency_s: list[list[float]],
            size: int) -> Ladder:
     """The best tree of each of `sizes` up to the chosen `size` (accuracy [K, S]), their expected tokens per step and
-    step latency; the guard starts from the chosen one. Larger trees are left out: on this calibration they are
-    predicted slower, and whether one beats the chosen tree on a prompt hinges on a few percent that per-request
-    estimates cannot resolve (measured: picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
+    step latency. Larger trees are left out: on this calibration they are predicted slower, and whether one beats
+    the chosen tree on a prompt hinges on a few percent that per-request estimates cannot resolve (measured: picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
     paths, expected = grow_tree(accuracy, size)
     kept = [i for i, n in enumerate(sizes) if n <= size]
     return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept),
                   expected_tokens=tuple(1.0 + (expected[sizes[i] - 1] if sizes[i] else 0.0) for i in kept),
-                  contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s),
-                  start=len(kept) - 1)
+                  contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s))
 
 
 def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]]

@@ -120,7 +120,7 @@ def cmd_demo(args) -> None:
     trained = heads_trained(medusa.heads)
     trees = medusa.trees.trees
     choice = (f"trees of {trees[0].num_nodes - 1} to {trees[-1].num_nodes - 1} candidates, picked each step by what pays "
-              f"(starting at {medusa.tree.num_nodes - 1})" if len(trees) > 1 else f"a tree of {medusa.tree.num_nodes - 1} "
+              "(plain first)" if len(trees) > 1 else f"a tree of {medusa.tree.num_nodes - 1} "
               "candidates")
     print(f"MEDUSA demo: {args.model or DEFAULT_MODEL.name}, {medusa.heads.config.num_heads} "
           f"{'trained' if trained else 'untrained'} heads, {choice} (--tree {args.tree}), greedy, up to "
@@ -225,7 +225,7 @@ def cmd_bench(args) -> None:
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
-                       llama=llama)
+                       llama=llama, repeat=args.repeat)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads))
@@ -388,6 +388,8 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")
+    p.add_argument("--repeat", type=int, default=1, help="run every turn this many times with each decoder and "
+                   "count the fastest (a shared machine's noise only slows runs; --sweep runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
     p.add_argument("--llama-cpp", nargs="?", const="", metavar="GGUF",

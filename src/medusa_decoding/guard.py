@@ -7,6 +7,9 @@ run). A prompt unlike the calibration data (code, another language) makes the fi
 of the moment the second: the guard corrects both from what the running request shows, and before each step
 picks the tree with the most expected tokens per second.
 
+- A request opens with plain steps in which the heads guess, until OPENING steps' yields are counted: its own
+  yields, not the calibration's alone, pick its first tree (on a prompt the heads cannot guess, a tree predicted
+  from the calibration ran 10-30 steps before its yields showed).
 - Tokens per step, of every tree at once: a step's guesses (each head's top-k) are kept until the tokens they
   guessed are known. Those tokens are the same whichever tree verifies them (exactly at temperature 0; when
   sampling, in distribution: rejection sampling accepts a set of siblings with the probability that the drawn
@@ -15,9 +18,11 @@ picks the tree with the most expected tokens per second.
   weigh most. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the guard sees
   when they are worth it again.
 - Step time: each step's measured time against its tree's calibrated latency at its context, weighed as the
-  tokens are. A tree not timed (or not lately) is expected to keep its calibrated ratio to the one running; and
-  while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that the baseline
-  they must beat is timed in this very request.
+  tokens are; not the first step of a request (it carries one-off costs: 23.6 ms against 17.6 for the plain
+  steps after it, SmolLM2 on a 2-core EPYC), nor a plain step in which the heads guess (plain steps would seem
+  that much dearer). A tree not timed (or not lately) is expected to keep its calibrated ratio to the one
+  running; and while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that
+  the baseline they must beat is timed in this very request.
 
 Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
 reproducible to a few percent from run to run, and a few steps' yields are noisy.
@@ -37,7 +42,8 @@ from .tree import Tree
 SMOOTHING = 1 / 16  # weight of a new observation in the running estimates: they follow about the last 16 steps
 PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a running mean, until SMOOTHING)
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
-PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: ~5% of a plain step)
+OPENING = 3  # a request's first steps are plain and guess, until this many steps' yields are counted: its own ...
+PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: 1-2.5% of a plain step)
 EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one, timed (~0.5% where trees win by 15%) ...
 EXPLORE_BELOW = 1.15  # ... where plain is predicted within this factor of the tree: beyond, no timing changes a pick
 SWITCH_MARGIN = 1.03  # another tree is taken when predicted this much faster: less is within the estimates' noise
@@ -48,7 +54,7 @@ TIME_CLIP = 2.0  # a step's time counts at most this factor away from its tree's
 class Ladder:
     """The trees the guard chooses among, smallest first, each holding the nodes of those before it, and what the
     calibration predicts of them. expected_tokens[i]: tokens per step of trees[i]; latency_s[c][i]: its step
-    seconds at contexts[c] tokens (increasing); start: the tree used before the request has shown anything.
+    seconds at contexts[c] tokens (increasing).
 
     >>> Ladder.fixed(Tree.from_spec([[0], [1]])).latency(300)   # an explicit tree: nothing to choose
     [1.0]
@@ -58,12 +64,11 @@ class Ladder:
     expected_tokens: tuple[float, ...]
     contexts: tuple[int, ...]
     latency_s: tuple[tuple[float, ...], ...]
-    start: int
 
     def __post_init__(self):
         n = len(self.trees)
-        if not n or len(self.expected_tokens) != n or not 0 <= self.start < n:
-            raise ValueError(f"ladder: {n} trees, {len(self.expected_tokens)} expected yields, start {self.start}")
+        if not n or len(self.expected_tokens) != n:
+            raise ValueError(f"ladder: {n} trees, {len(self.expected_tokens)} expected yields")
         if list(self.contexts) != sorted(set(self.contexts)) or len(self.latency_s) != len(self.contexts):
             raise ValueError(f"ladder: contexts must increase, one latency row each, got {list(self.contexts)}")
         if any(len(row) != n or min(row) <= 0 for row in self.latency_s):
@@ -75,11 +80,12 @@ class Ladder:
     @staticmethod
     def fixed(tree: Tree) -> "Ladder":
         """One tree, always: an explicit tree, or plain decoding."""
-        return Ladder((tree,), (1.0,), (0,), ((1.0,),), 0)
+        return Ladder((tree,), (1.0,), (0,), ((1.0,),))
 
     @property
     def tree(self) -> Tree:
-        return self.trees[self.start]
+        """The largest: calibration's pick (the one tree of a fixed ladder)."""
+        return self.trees[-1]
 
     def latency(self, context: int) -> list[float]:
         """Step seconds of every tree at `context` tokens: linear between the measured contexts, flat beyond."""
@@ -98,7 +104,7 @@ class Guard:
 
     def __init__(self, ladder: Ladder, root: int):
         trees = ladder.trees
-        self.ladder, self.choice = ladder, ladder.start
+        self.ladder, self.choice = ladder, 0
         self.watching = len(trees) > 1
         self.depth = max(tree.depth for tree in trees)
         self.watched = (max(tree.topk_per_head() for tree in trees), self.depth)  # guesses that cover every tree
@@ -114,6 +120,7 @@ class Guard:
         self.pending: deque[tuple[int, list[list[int]]]] = deque()  # (where the guessed tokens start, guesses)
         self.plain_steps = self.tree_steps = 0
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
+        self.opening = OPENING + self.depth  # ... yields pick its first tree (a step's are known `depth` steps later)
 
     def choose(self, context: int) -> tuple[Tree, tuple[int, int] | None]:
         """The tree of the next step at `context` tokens, and what the heads guess in it: (top_k, depth), enough for
@@ -121,6 +128,9 @@ class Guard:
         if not self.watching:
             tree = self.ladder.tree
             return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
+        if self.plain_steps + self.tree_steps < self.opening:  # the smallest tree (plain, from calibrate), guessing
+            self.plain_steps += 1
+            return self.ladder.trees[0], self.watched
         latency = self.ladder.latency(context)
         seen = self.time_factor[self.choice] or 1.0  # trees not timed yet: their calibrated latency ratio
         speed = [tokens / ((factor or seen) * seconds)
@@ -148,7 +158,9 @@ class Guard:
         self.generated += new
         while self.pending and self.pending[0][0] + self.depth <= len(self.generated):
             self.count_tokens(*self.pending.popleft())
-        if seconds is not None:
+        first = self.plain_steps + self.tree_steps == 1
+        probe = guesses is not None and self.ladder.trees[self.choice].num_nodes == 1
+        if seconds is not None and not first and not probe:
             self.time_step(seconds / self.ladder.latency(context)[self.choice])
 
     def count_tokens(self, start: int, guesses: list[list[int]]) -> None:
