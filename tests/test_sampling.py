@@ -122,7 +122,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     tree = Tree.from_spec(WIDE)
     if verifier.endswith("sampled tokens"):
         trees = (PLAIN, Tree.from_spec([[0]]), Tree.from_spec([[0], [1]]), tree)  # each holding the ones before
-        tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,), 0)
+        tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
         monkeypatch.setattr(Guard, "choose", lambda guard, context: (trees[guard.generated[-1] % len(trees)],
                                                                      guard.watched))
     counts = draw(model, heads, config, tree)

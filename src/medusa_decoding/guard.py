@@ -14,7 +14,7 @@ picks the tree with the most expected tokens per second.
   guessed are known. Those tokens are the same whichever tree verifies them (exactly at temperature 0; when
   sampling, in distribution: rejection sampling accepts a set of siblings with the probability that the drawn
   token is one of them), so the guesses tell how many tokens each tree of the ladder would have yielded at that
-  step, without running it. The calibration's prediction counts as PRIOR_WEIGHT such steps; the last ~16 steps
+  step, without running it. The calibration's prediction counts as PRIOR_WEIGHT such steps; the last ~8 steps
   weigh most. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the guard sees
   when they are worth it again.
 - Step time: each step's measured time against its tree's calibrated latency at its context, weighed as the
@@ -39,7 +39,7 @@ import torch
 
 from .tree import Tree
 
-SMOOTHING = 1 / 16  # weight of a new observation in the running estimates: they follow about the last 16 steps
+SMOOTHING = 1 / 8  # weight of a new observation in the running estimates: they follow about the last 8 steps
 PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a running mean, until SMOOTHING)
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
 OPENING = 3  # a request's first steps are plain and guess, until this many steps' yields are counted: its own ...
