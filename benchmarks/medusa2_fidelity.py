@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from medusa_decoding import GenerationConfig, MedusaModel
-from medusa_decoding.bench import read_questions
+from medusa_decoding.bench import agreed_prefix, read_questions
 from medusa_decoding.calibrate import device_name
 
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
@@ -42,7 +42,7 @@ def main() -> None:
         reference = original.generate(question.turns[0], config=config, medusa=False).token_ids
         plain = tuned.generate(question.turns[0], config=config, medusa=False).token_ids
         fast = tuned.generate(question.turns[0], config=config)
-        agreed = next((i for i, (a, b) in enumerate(zip(reference, plain)) if a != b), min(len(reference), len(plain)))
+        agreed = agreed_prefix(reference, plain)
         rows.append({"question_id": question.question_id, "category": question.category, "identical": reference == plain,
                      "agreed_tokens": agreed, "original_tokens": len(reference), "medusa_lossless": fast.token_ids == plain,
                      "medusa_tokens": len(fast.token_ids), "medusa_steps": fast.steps})

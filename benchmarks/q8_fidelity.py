@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from medusa_decoding import GenerationConfig, MedusaModel
-from medusa_decoding.bench import read_questions
+from medusa_decoding.bench import agreed_prefix, read_questions
 from medusa_decoding.cache import allocate
 from medusa_decoding.calibrate import device_name
 from medusa_decoding.decoding import forward
@@ -66,7 +66,7 @@ def main() -> None:
     for question in read_questions(QUESTIONS, per_category=1):
         answers = {name: m.generate(question.turns[0], config=config, medusa=False).token_ids for name, m in models.items()}
         a, b = answers["native"], answers["q8"]
-        agreed = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        agreed = agreed_prefix(a, b)
         greedy.append({"question_id": question.question_id, "category": question.category, "identical": a == b,
                        "agreed_tokens": agreed, "native_tokens": len(a)})
     record = {

@@ -230,6 +230,11 @@ def test_benchmark_refuses_nothing_and_stop_strings(tiny, questions):
         benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, stop=("w1",)), progress=False)
 
 
+def test_agreed_prefix_counts_the_tokens_before_the_first_difference():
+    assert bench_module.agreed_prefix([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert bench_module.agreed_prefix([1, 2], [1, 2, 3]) == 2 and bench_module.agreed_prefix([7], [8]) == 0
+
+
 def test_read_questions_filters_and_limits(tmp_path):
     path = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     assert [q.question_id for q in read_questions(path, ["writing"])] == ["1", "3"]

@@ -312,6 +312,11 @@ def prediction_figures(total: list[float]) -> dict:
             "error": ratio(ratio(tokens, seconds), predicted) - 1}
 
 
+def agreed_prefix(a: list[int], b: list[int]) -> int:
+    """How many tokens two answers share before their first difference."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 def ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 

@@ -134,7 +134,8 @@ def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latenc
            size: int) -> Ladder:
     """The best tree of each of `sizes` up to the chosen `size` (accuracy [K, S]), their expected tokens per step and
     step latency. Larger trees are left out: on this calibration they are predicted slower, and whether one beats
-    the chosen tree on a prompt hinges on a few percent that per-request estimates cannot resolve (measured: picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
+    the chosen tree on a prompt hinges on a few percent that per-request estimates cannot resolve (measured:
+    picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
     paths, expected = grow_tree(accuracy, size)
     kept = [i for i, n in enumerate(sizes) if n <= size]
     return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept),
