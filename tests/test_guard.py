@@ -55,8 +55,8 @@ def calibrated_clock(monkeypatch):
     clock = SimpleNamespace(now=0.0, step=0.0)
     choose = Guard.choose
 
-    def timed_choose(guard, context):
-        picked = choose(guard, context)
+    def timed_choose(guard, context, batch=1):
+        picked = choose(guard, context, batch)
         clock.step = guard.ladder.latency(context)[guard.choice]
         return picked
 
@@ -149,7 +149,7 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
     guess, choose, guessed, chosen, guards = decoding.guess, Guard.choose, [], [], set()
     monkeypatch.setattr(decoding, "guess", lambda *args: guessed.append(1) or guess(*args))
-    monkeypatch.setattr(Guard, "choose", lambda guard, context: guards.add(guard) or chosen.append(choose(guard, context))
+    monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1: guards.add(guard) or chosen.append(choose(guard, context, batch))
                         or chosen[-1])
     promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins
     used = sizes_used(model, wrong, promised, reference)

@@ -347,17 +347,38 @@ def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads
     torch.manual_seed(head_dim)
     prefix, tree = 37, Tree.from_spec(DEFAULT_TREE)
     n, keys = tree.num_nodes, prefix + tree.num_nodes
-    q, k, v = torch.randn(heads, n, head_dim), torch.randn(kv_heads, keys, head_dim), torch.randn(kv_heads, keys, head_dim)
-    mask = torch.zeros(n, keys)
-    mask[:, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
+    q, k, v = torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim), torch.randn(1, kv_heads, keys, head_dim)
+    mask = torch.zeros(1, n, keys)
+    mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
     scale = 1 / math.sqrt(head_dim)
-    out = torch.ops.medusa.attention(q, k, v, mask, scale)  # [T, H, D]
-    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-    torch.testing.assert_close(out, expected.transpose(0, 1), rtol=1e-5, atol=1e-5)
+    out = torch.ops.medusa.attention(q, k, v, mask, scale)  # [B, T, H, D]
+    expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
+                                                                enable_gqa=True)
+    torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     for node in range(n):  # the same token in a one-token pass over its own keys, contiguous: the same bits
         seen = torch.cat([torch.arange(prefix), prefix + tree.attention[node].nonzero()[:, 0]])
-        alone = torch.ops.medusa.attention(q[:, node : node + 1], k[:, seen], v[:, seen], None, scale)
-        assert torch.equal(alone[0], out[node])
+        alone = torch.ops.medusa.attention(q[:, :, node : node + 1], k[:, :, seen], v[:, :, seen], None, scale)
+        assert torch.equal(alone[0, 0], out[0, node])
+
+
+@needs_native
+def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
+    """A batch of two: row 1's prefix is shorter, the columns between are a hole its mask hides (garbage there, even
+    NaN, changes nothing); each row gets bitwise what it gets alone."""
+    load_native()
+    torch.manual_seed(0)
+    heads, kv_heads, head_dim, width, short, n = 9, 3, 64, 20, 12, 3
+    q = torch.randn(2, heads, n, head_dim)
+    k, v = torch.randn(2, kv_heads, width + n, head_dim), torch.randn(2, kv_heads, width + n, head_dim)
+    k[1, :, short:width], v[1, :, short:width] = float("nan"), float("nan")
+    mask = torch.zeros(2, n, width + n)
+    mask[1, :, short:width] = torch.finfo(torch.float32).min
+    out = torch.ops.medusa.attention(q, k, v, mask, 0.125)
+    for row, prefix in ((0, width), (1, short)):
+        seen = torch.cat([torch.arange(prefix), torch.arange(width, width + n)])
+        alone = torch.ops.medusa.attention(q[row : row + 1], k[row : row + 1, :, seen], v[row : row + 1, :, seen],
+                                           torch.zeros(1, n, len(seen)), 0.125)
+        assert torch.equal(alone[0], out[row])
 
 
 @needs_native

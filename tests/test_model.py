@@ -120,11 +120,39 @@ def test_stop_string_cuts_text_tokens_and_stream(smollm, story, at):
     assert "".join(pieces) == out.text  # never a part of the stop string, even the one held back at the end
 
 
+def scripted(steps: list[tuple[list[int], int]]):
+    """A stand-in for decoding.Batch whose one row produces `steps` (tokens, candidates verified): the prefill's
+    first, then one a step, done after the last."""
+
+    class Row:
+        done = len(steps) == 1
+
+    class Scripted:
+        def __init__(self, model, heads):
+            self.rows, self.left = [], list(steps[1:])
+
+        def join(self, ids, config, trees, eos_ids, generator):
+            row = Row()
+            row.root, self.rows = steps[0][0][0], [row]
+            return row
+
+        def step(self):
+            row = self.rows[0]
+            new, size = self.left.pop(0)
+            row.done = not self.left
+            return [(row, new, size)]
+
+        def leave(self, row):
+            self.rows.remove(row)
+
+    return Scripted
+
+
 def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
     """A stop string completed mid-step keeps the step's tokens up to the completing one, not the rest."""
     ids = smollm.tokenizer(" one two three four five six")["input_ids"]
     steps = [(ids[:1], 0), (ids[1:5], 3), (ids[5:], 3)]  # (tokens, candidates verified)
-    monkeypatch.setattr(model_module, "decode", lambda *args: iter(steps))
+    monkeypatch.setattr(model_module, "Batch", scripted(steps))
     out = smollm.generate("hi", stop=("two thr",))
     assert out.text == " one "
     assert out.token_ids == ids[:3] and out.accept_lengths == [1, 2] and out.tree_sizes == [0, 3]
@@ -133,7 +161,7 @@ def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
 
 def test_stop_strings_hold_back_a_possible_start(smollm, monkeypatch):
     ids = smollm.tokenizer(" one two three")["input_ids"]
-    monkeypatch.setattr(model_module, "decode", lambda *args: iter([([t], 0) for t in ids]))
+    monkeypatch.setattr(model_module, "Batch", scripted([([t], 0) for t in ids]))
     pieces = list(smollm.stream("hi", stop=(" two four",)))  # " two" could start it; " three" rules it out
     assert pieces == [" one", " two three"]
 

@@ -1,7 +1,6 @@
 """`medusa serve` over real HTTP: uvicorn on a free loopback port, the official `openai` client as the caller."""
 
 import json
-import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,8 +10,9 @@ import openai
 import pytest
 import uvicorn
 
+import medusa_decoding.model as model_module
 from medusa_decoding.config import DEFAULT_MODEL
-from medusa_decoding.server import create_app
+from medusa_decoding.server import Engine, create_app, serving
 
 MODEL_ID = DEFAULT_MODEL.name
 MAX_TOKENS = 12
@@ -35,19 +35,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(scope="module")
 def base_url(smollm):
     trees, smollm.tree = smollm.trees, smollm.tree  # one fixed tree: steps compared with `expected` must not follow time
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(create_app(smollm, MODEL_ID), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    server.should_exit = True
-    thread.join(timeout=30)
-    sock.close()
+    with serving(create_app(smollm, MODEL_ID)) as url:
+        yield url
     smollm.trees = trees
 
 
@@ -130,12 +119,48 @@ def test_stream_ends_with_done(base_url):
     assert lines[-1] == "data: [DONE]"
 
 
-def test_concurrent_streams_each_get_their_own_answer(client, expected):
-    want = [expected(p, max_new_tokens=CONCURRENT_TOKENS).text for p in PROMPTS]  # sequential references first
+def test_concurrent_streams_are_batched_and_each_gets_its_own_answer(base_url, client, expected):
+    want = [expected(p, max_new_tokens=CONCURRENT_TOKENS) for p in PROMPTS]  # sequential references first
+    before = health(base_url)
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         got = list(pool.map(lambda p: streamed_text(client, p, max_tokens=CONCURRENT_TOKENS)[0], PROMPTS))
-    assert got == want
-    assert len(set(want)) == len(PROMPTS)  # distinct answers: a mix-up could not pass unnoticed
+    assert got == [out.text for out in want]
+    assert len(set(got)) == len(PROMPTS)  # distinct answers: a mix-up could not pass unnoticed
+    alone = sum(out.steps for out in want)  # forward passes one at a time, the prefills included
+    assert health(base_url)["forward_passes"] - before["forward_passes"] < 0.75 * alone  # rows shared the passes
+
+
+def test_a_cancelled_row_leaves_the_others_undisturbed(base_url, client, expected):
+    body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0, "stream": True}
+    with ThreadPoolExecutor(1) as pool:
+        with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=120) as doomed:
+            lines = doomed.iter_lines()  # held: a line iterator that is collected closes the stream
+            next(line for line in lines if line.startswith("data: {"))  # it is generating
+            answer = pool.submit(chat, client, PROMPTS[1])
+            deadline = time.monotonic() + 30
+            while health(base_url)["running"] < 2:  # both rows in the batch: now the first one leaves
+                assert time.monotonic() < deadline, "the second request never joined the batch"
+                time.sleep(0.01)
+        assert answer.result().choices[0].message.content == expected(PROMPTS[1]).text
+    assert health(base_url)["in_flight"] == 0
+
+
+def test_a_full_queue_answers_503_and_the_server_serves_on(smollm):
+    """One row and no queue: while a request runs, the next is refused at once with an OpenAI-style error."""
+    body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0, "stream": True}
+    with serving(create_app(smollm, MODEL_ID, Engine(max_batch=1, max_queue=0))) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running:
+            lines = running.iter_lines()  # held: a line iterator that is collected closes the stream
+            next(line for line in lines if line.startswith("data: {"))
+            refused = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=60)
+            assert health(url)["running"] == 1 and health(url)["rejected"] == 1
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "server_busy" and refused.json()["error"]["type"] == "server_error"
+        deadline = time.monotonic() + 30
+        while health(url)["in_flight"]:  # the first one's client left
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert httpx.post(f"{url}{CHAT}", json=GOOD, timeout=60).status_code == 200
 
 
 def test_completions_use_the_raw_prompt(client, expected):
@@ -246,27 +271,33 @@ def test_client_that_leaves_frees_the_model(base_url, client, streaming):
     assert chat(client, PROMPTS[4]).usage.completion_tokens >= 1  # and the next request is served
 
 
-def test_client_that_leaves_while_queued_is_never_run(base_url):
-    before = health(base_url)
+def test_client_that_leaves_while_queued_is_never_run(smollm):
+    """One row: the second request waits in the queue, its client leaves, and it is dropped without running."""
     body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0}
-    with httpx.stream("POST", f"{base_url}/v1/completions", json={**body, "stream": True}, timeout=120) as running:
-        next(line for line in running.iter_lines() if line.startswith("data: {"))  # the model is busy with it
-        with pytest.raises(httpx.ReadTimeout):  # queued behind it, then gone
-            httpx.post(f"{base_url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
-    deadline = time.monotonic() + 30
-    while (state := health(base_url))["in_flight"] or state["cancelled"] < before["cancelled"] + 2:
-        assert time.monotonic() < deadline, "an abandoned generation kept the model"
-        time.sleep(0.05)
-    assert state["cancelled"] == before["cancelled"] + 2
-    assert state["forward_passes"] - before["forward_passes"] < LONG_RUN // 10
+    with serving(create_app(smollm, MODEL_ID, Engine(max_batch=1))) as url:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as running:
+            lines = running.iter_lines()  # held: a line iterator that is collected closes the stream
+            next(line for line in lines if line.startswith("data: {"))  # the model is busy with it
+            with ThreadPoolExecutor(1) as pool:
+                waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+                queued = max(health(url)["queued"] for _ in range(10))
+                with pytest.raises(httpx.ReadTimeout):  # queued behind it, then gone
+                    waiting.result()
+            passes = health(url)["forward_passes"]
+        assert queued == 1
+        deadline = time.monotonic() + 30
+        while (state := health(url))["in_flight"] or state["cancelled"] < 2:
+            assert time.monotonic() < deadline, "an abandoned generation kept the model"
+            time.sleep(0.05)
+        assert state["cancelled"] == 2 and state["running"] == state["queued"] == 0
+        assert state["forward_passes"] - passes <= 1  # the queued one never had its prefill
 
 
 def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(base_url, client, smollm, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("the model fell over")
-        yield
 
-    monkeypatch.setattr(smollm, "steps", broken)
+    monkeypatch.setattr(model_module.Running, "step", broken)
     response = httpx.post(f"{base_url}{CHAT}", json=GOOD, timeout=60)
     assert response.status_code == 500
     assert response.json()["error"] == {

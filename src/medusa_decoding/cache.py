@@ -1,11 +1,15 @@
-"""The KV cache: `transformers`' own cache interface, its storage allocated once per request, and the one
-operation MEDUSA adds to it.
+"""The KV cache: `transformers`' own cache interface, its storage allocated once and grown rarely, and the
+operations MEDUSA and batching add to it.
 
 `DynamicCache` appends with `torch.cat`, copying every layer's whole cache at every step (on a 2-core CPU,
 11 of a 48 ms SmolLM2 step at a 256-token context, growing with the context). Here each layer's keys and
-values are views of buffers sized to the request, so a step writes only its own tokens. After a verification
-pass the cache holds the prefix followed by every tree node; `commit` keeps the accepted path's entries, moved
-to sit right after the prefix, and drops the rest.
+values are views [B, kv_heads, S, head_dim] of buffers with room for more rows and positions, so a step writes only
+its own tokens.
+
+A batch's rows share the cache's columns: row b holds its own `lengths[b]` entries at columns 0.. (a row's own
+prefix, never another's), and a step writes every row's tree nodes after the longest row, at column S. After a
+verification pass `commit` moves each row's accepted path to sit right after the row's own entries and drops the rest;
+the columns between a shorter row's entries and S are a hole its attention mask hides (decoding.step_mask).
 """
 
 import torch
@@ -14,44 +18,99 @@ from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose `keys`/`values` are views of buffers of `capacity` positions, written in place."""
+    """A DynamicLayer whose `keys`/`values` are views of buffers of `slots` rows and `capacity` positions."""
 
     def __init__(self, capacity: int):
         super().__init__()
-        self.capacity = capacity
+        self.capacity, self.slots = capacity, 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, kv_heads, T, head_dim] -> all keys and values so far [B, kv_heads, S, head_dim]
+        rows, width = key_states.shape[0], (self.keys.shape[-2] if self.is_initialized else 0)
         if not self.is_initialized:
             self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            self.key_buffer = key_states.new_empty(*key_states.shape[:-2], self.capacity, key_states.shape[-1])
-            self.value_buffer = value_states.new_empty(*value_states.shape[:-2], self.capacity, value_states.shape[-1])
-            self.keys, self.values = self.key_buffer[..., :0, :], self.value_buffer[..., :0, :]
-        start = self.keys.shape[-2]
-        end = start + key_states.shape[-2]
-        assert end <= self.capacity, f"KV cache: {end} positions, {self.capacity} allocated"  # decode sizes it
-        self.key_buffer[..., start:end, :] = key_states
-        self.value_buffer[..., start:end, :] = value_states
-        self.keys, self.values = self.key_buffer[..., :end, :], self.value_buffer[..., :end, :]
+            self.keys = self.values = key_states[:, :, :0]
+            self.grow(rows, self.capacity)
+        end = width + key_states.shape[-2]
+        assert rows == self.keys.shape[0] and end <= self.capacity, f"KV cache: {rows} x {end} written, " \
+            f"{self.keys.shape[0]} x {self.capacity} allocated"  # the decoding loop reserves what a step needs
+        self.key_buffer[:rows, :, width:end] = key_states
+        self.value_buffer[:rows, :, width:end] = value_states
+        self.view(rows, end)
         return self.keys, self.values
+
+    def grow(self, slots: int, capacity: int) -> None:
+        """Buffers of at least `slots` rows and `capacity` positions, the entries so far copied over."""
+        if slots <= self.slots and capacity <= self.capacity and self.slots:
+            return
+        slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
+        rows, width = self.keys.shape[0], self.keys.shape[-2]
+        shape = (slots, self.keys.shape[1], capacity, self.keys.shape[-1])
+        # zeros, not garbage: stock attention reads the holes it masks, and 0 * NaN would be NaN
+        self.key_buffer, self.value_buffer = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width] = self.keys, self.values
+        self.slots, self.capacity = slots, capacity
+        self.view(rows, width)
+
+    def view(self, rows: int, width: int) -> None:
+        self.keys, self.values = self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width]
 
 
 def allocate(model: PreTrainedModel, capacity: int) -> Cache:
-    """An empty cache for one request of at most `capacity` positions (prompt + new tokens + one tree)."""
+    """An empty cache with room for `capacity` positions (one request: prompt + new tokens + one tree)."""
     num_layers = model.config.get_text_config().num_hidden_layers
     return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
 
 
-def commit(cache: Cache, prefix_len: int, path: torch.Tensor) -> None:
-    """Keep tree nodes `path` (node indices, root first) after the first `prefix_len` entries."""
-    # path: [A] increasing node indices; entries of node i sit at prefix_len + i, so a path's leading 0, 1, 2, ...
-    # are in place already and only the rest move (a plain step's [0] moves nothing)
-    moved = next((i for i, node in enumerate(path.tolist()) if node != i), len(path))
-    keep = prefix_len + path[moved:]
-    start, end = prefix_len + moved, prefix_len + len(path)
+def width(cache: Cache) -> int:
+    """The columns in use: the longest row's entries."""
+    return cache.layers[0].keys.shape[-2] if cache.layers[0].is_initialized else 0
+
+
+def reserve(cache: Cache, rows: int, columns: int) -> None:
+    """Room for `rows` rows of `columns` positions: buffers too small grow (at least doubling: rarely)."""
     for layer in cache.layers:
-        for name in ("keys", "values"):
-            kv = getattr(layer, name)  # [B, heads, S, head_dim]
-            if start < end:
-                kv[..., start:end, :] = kv[..., keep, :]
-            setattr(layer, name, kv[..., :end, :])
+        if layer.is_initialized:
+            layer.grow(max(rows, 2 * layer.slots if rows > layer.slots else 0),
+                       max(columns, 2 * layer.capacity if columns > layer.capacity else 0))
+
+
+def insert(cache: Cache, row: Cache, capacity: int) -> None:
+    """Appends the one-row cache `row` (a prefill) as the last row; `capacity`: the positions that row may need."""
+    rows, length = (cache.layers[0].keys.shape[0] if cache.layers[0].is_initialized else 0), width(row)
+    wide = max(width(cache), length)
+    for layer, new in zip(cache.layers, row.layers):
+        if not layer.is_initialized:
+            layer.dtype, layer.device, layer.is_initialized = new.dtype, new.device, True
+            layer.keys, layer.values = new.keys[:0, :, :0], new.values[:0, :, :0]
+            layer.grow(1, capacity)
+    reserve(cache, rows + 1, capacity)
+    for layer, new in zip(cache.layers, row.layers):
+        layer.key_buffer[rows, :, :length], layer.value_buffer[rows, :, :length] = new.keys[0], new.values[0]
+        layer.view(rows + 1, wide)
+
+
+def commit(cache: Cache, start: int, lengths: list[int], paths: list[list[int]]) -> None:
+    """After a pass that wrote every row's nodes from column `start`: row b keeps the nodes `paths[b]` (node indices,
+    root first) right after its own `lengths[b]` entries; the cache is then as wide as the longest row."""
+    # node i of row b sits at start + i: a path's leading 0, 1, 2, ... of a row as long as `start` (every row of a
+    # batch of one) are in place already, and only the rest move (a plain step's [0] moves nothing)
+    moves = [(b, length + i, start + node) for b, (length, path) in enumerate(zip(lengths, paths))
+             for i, node in enumerate(path) if length + i != start + node]
+    wide = max(length + len(path) for length, path in zip(lengths, paths)) if paths else 0
+    rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves)) if moves else (None,) * 3
+    for layer in cache.layers:
+        for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
+            if moves:
+                buffer[rows, :, to] = buffer[rows, :, source]
+        layer.view(len(lengths), wide)
+
+
+def remove(cache: Cache, index: int, wide: int) -> None:
+    """Drops row `index` (the last row takes its place) and narrows the cache to `wide` columns."""
+    for layer in cache.layers:
+        last = layer.keys.shape[0] - 1
+        for buffer in (layer.key_buffer, layer.value_buffer):
+            if index != last:
+                buffer[index, :, :wide] = buffer[last, :, :wide]
+        layer.view(last, wide)

@@ -27,9 +27,9 @@ import torch
 from . import cache as kv
 from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import context_limit, guess, prefill, propose, verify
+from .decoding import Batch, context_limit, guess, prefill, propose, verify
 from .default_model import cache_root
-from .guard import Ladder
+from .guard import Guard, Ladder
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
@@ -119,6 +119,8 @@ class Calibration:
     tokens_per_s: list[float]  # predicted at the middle context, contexts[C // 2]: expected_tokens / latency_s
     size: int  # the chosen size, >= 1: the fastest predicted at the middle context
     guess_vocab: list[int] | None = None  # the tokens the heads guess from (kernels.set_guess_vocab); None: all
+    batch_sizes: list[int] = (1,)  # batches the ladder's step latency was measured at
+    batch_latency_s: list[list[float]] | None = None  # [batch_sizes][ladder trees] a batch's step seconds
 
     @property
     def tree_paths(self) -> list[Node]:
@@ -127,11 +129,11 @@ class Calibration:
     def ladder(self) -> Ladder:
         """The trees `--tree auto` chooses among at run time (guard.py): the chosen one and every smaller size."""
         return ladder(torch.tensor(self.accuracy, dtype=torch.float64), self.sizes, self.contexts, self.latency_s,
-                      self.size)
+                      self.size, self.batch_sizes, self.batch_latency_s)
 
 
 def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latency_s: list[list[float]],
-           size: int) -> Ladder:
+           size: int, batch_sizes=(1,), batch_latency_s: list[list[float]] | None = None) -> Ladder:
     """The best tree of each of `sizes` up to the chosen `size` (accuracy [K, S]), their expected tokens per step and
     step latency. Larger trees are left out: on this calibration they are predicted slower, and whether one beats
     the chosen tree on a prompt hinges on a few percent that per-request estimates cannot resolve (measured:
@@ -140,7 +142,9 @@ def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latenc
     kept = [i for i, n in enumerate(sizes) if n <= size]
     return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept),
                   expected_tokens=tuple(1.0 + (expected[sizes[i] - 1] if sizes[i] else 0.0) for i in kept),
-                  contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s))
+                  contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s),
+                  batch_sizes=tuple(batch_sizes),
+                  batch_latency_s=None if batch_latency_s is None else tuple(map(tuple, batch_latency_s)))
 
 
 def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]]
@@ -222,18 +226,14 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     contexts = latency_contexts(medusa, trees, config)
     greedy_config = GenerationConfig()
 
-    def synchronize():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
     def step(cache, hidden, root, tree: Tree, prefix_len: int) -> None:
         guesses = guess(heads, lm_head, hidden, tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
         tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, tree, device)])
         logits, _ = verify(model, cache, tokens, tree, prefix_len)
         path, _ = greedy(tokens, logits, tree, greedy_config)
-        kv.commit(cache, prefix_len, path)
+        kv.commit(cache, prefix_len, [prefix_len], [path.tolist()])
 
-    no_nodes, table = torch.empty(0, dtype=torch.long, device=device), []
+    table = []
     with torch.inference_mode():
         for prefix_len in contexts:
             prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
@@ -241,12 +241,12 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
             root, times = int(logits.argmax()), [[] for _ in trees]
             for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
                 for tree, timed in zip(trees, times):
-                    synchronize()
+                    synchronize(device)
                     start = time.perf_counter()
                     step(cache, hidden, root, tree, prefix_len)
-                    synchronize()
+                    synchronize(device)
                     timed.append(time.perf_counter() - start)
-                    kv.commit(cache, prefix_len, no_nodes)  # back to the prefix alone (not crop: it changed in 5.23)
+                    kv.commit(cache, prefix_len, [prefix_len], [[]])  # back to the prefix alone (not crop: it changed in 5.23)
             table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
     return contexts, table
 
@@ -273,10 +273,45 @@ def setup(medusa) -> str:
     return f"{device_name(medusa.model.device)}, {dtype}, {medusa.kernels} kernels{blocks}"
 
 
+def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[list[float]]:
+    """Median seconds of one step of a batch (decoding.Batch) whose rows all verify the same tree, per batch size
+    of config.batch_sizes and per tree: [batch_sizes][trees]. Rows of random prompts at the first latency context;
+    the trees take turns, as in measure_step_latency."""
+    model, device = medusa.model, medusa.model.device
+    context = latency_contexts(medusa, trees, config)[0]
+    budget = GenerationConfig(max_new_tokens=max(t.num_nodes for t in trees) * (config.latency_repeats + 1) * len(trees))
+    table = []
+    for rows in config.batch_sizes:
+        batch = Batch(model, medusa.heads)
+        for row in range(rows):
+            prompt = torch.randint(medusa.heads.config.vocab_size, (context,), generator=torch.Generator().manual_seed(row))
+            batch.join(prompt.to(device), budget, trees[0])  # no EOS: every row stays to the end
+        times = [[] for _ in trees]
+        for _ in range(config.latency_repeats + 1):
+            for tree, timed in zip(trees, times):
+                for row in batch.rows:
+                    row.guard = Guard(Ladder.fixed(tree), row.root)
+                synchronize(device)
+                start = time.perf_counter()
+                batch.step()
+                synchronize(device)
+                timed.append(time.perf_counter() - start)
+        table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
+    return table
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted."""
+    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted; then the
+    latency of the trees the guard may pick against the batch size."""
     sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
-    return choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
+    fitted = choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
+    batches = measure_batch_latency(medusa, list(fitted.ladder().trees), config)
+    return replace(fitted, batch_sizes=list(config.batch_sizes), batch_latency_s=batches)
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
@@ -312,7 +347,7 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     plot(calibration, directory, setup)
 
 
-FIT = ("sizes", "contexts", "latency_s", "size")  # a latency fit: what the guard's ladder is built from
+FIT = ("sizes", "contexts", "latency_s", "size", "batch_sizes", "batch_latency_s")  # what the guard's ladder is built from
 
 
 class HeadsCalibration(NamedTuple):
@@ -333,7 +368,7 @@ def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
         record = json.loads(path.read_text())
         vocab = record.get("guess_vocab")
         vocab = None if vocab is None else torch.tensor(vocab, dtype=torch.long)
-        fit = {name: record[name] for name in FIT} if "contexts" in record else None
+        fit = {name: record[name] for name in FIT if name in record} if "contexts" in record else None  # batch: later
         return HeadsCalibration(torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab, fit)
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
@@ -353,7 +388,8 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
         return ladder(calibration.accuracy, **calibration.fit)
     vocab = calibration.guess_vocab
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
-            None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts]  # all the fit depends on
+            None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts,
+            config.batch_sizes]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():

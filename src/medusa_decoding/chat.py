@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from .config import GenerationConfig
-from .model import MedusaModel, text_pieces
+from .model import MedusaModel, TextPieces
 
 USER_PROMPT = "you> "
 ASSISTANT_PROMPT = "assistant> "
@@ -36,10 +36,11 @@ class Session:
 
 def answer(medusa: MedusaModel, session: Session, config: GenerationConfig, out: TextIO) -> str:
     """Streams the reply to the history; counts its tokens, forward passes and time into the session."""
-    start, reply = time.perf_counter(), ""
-    for new, piece in text_pieces(medusa.steps(messages=session.messages, config=config), config.stop):
-        session.tokens += len(new)
-        session.forward_passes += 1 if new else 0  # the last item only flushes held-back text
+    start, reply, pieces = time.perf_counter(), "", TextPieces(config.stop)
+    for step in medusa.steps(messages=session.messages, config=config):
+        session.tokens += len(step.tokens)
+        session.forward_passes += 1
+        piece = pieces.add(step.text, step.done)
         reply += piece
         out.write(piece)
         out.flush()

@@ -170,7 +170,7 @@ def cmd_serve(args) -> None:
 
     from .server import Engine, create_app
 
-    engine = Engine()
+    engine = Engine(args.max_batch, args.max_queue)
     medusa = engine.load(lambda: load(args))  # on the thread that will run it (Engine says why)
     uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, engine), host=args.host, port=args.port)
 
@@ -211,6 +211,8 @@ def cmd_bench(args) -> None:
     questions = read_questions(args.questions, categories, args.limit, args.per_category)
     config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               acceptance=args.acceptance, seed=args.seed)
+    if args.concurrency:
+        return bench_serving(args, [q.turns[0] for q in questions], config)
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
     if any(n < 1 for n in sweep):
         raise ValueError(f"sweep: tree sizes must be positive integers, got {args.sweep!r}")
@@ -235,6 +237,30 @@ def cmd_bench(args) -> None:
             json.dump(report, file, indent=1)
     if args.plot:
         plot(report, args.plot)
+
+
+def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
+    """`medusa bench --concurrency`: the server under load (load.py)."""
+    import torch
+
+    from . import load as serving
+    from .calibrate import device_name
+
+    try:
+        concurrency = tuple(sorted({int(n) for n in args.concurrency.split(",")}))
+    except ValueError:
+        raise ValueError(f"concurrency: comma-separated client counts, got {args.concurrency!r}") from None
+    report = serving.load_benchmark(lambda: load(args), prompts, concurrency, args.requests_per_client, config,
+                                    args.seconds)
+    report["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+    report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, tree=args.tree,
+                            kernels=args.kernels, questions=args.questions)
+    print(serving.table(report))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as file:
+            json.dump(report, file, indent=1)
+    if args.plot:
+        serving.plot(report, args.plot)
 
 
 def cmd_calibrate(args) -> None:
@@ -351,6 +377,9 @@ def main(argv=None) -> None:
     add_model_arguments(p)
     p.add_argument("--host", default=SERVER.host)
     p.add_argument("--port", type=int, default=SERVER.port)
+    p.add_argument("--max-batch", type=int, default=SERVER.max_batch, help="requests decoded together")
+    p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
+                   help="requests that may wait beyond those; more get a 503")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")
@@ -392,6 +421,11 @@ def main(argv=None) -> None:
                    "count the fastest (a shared machine's noise only slows runs; --sweep runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
+    p.add_argument("--concurrency", metavar="N,N,...",
+                   help="instead: the server under load over HTTP, e.g. 1,4,8,16 concurrent clients (first turns as "
+                   "prompts): MEDUSA and plain batching against one request at a time; tokens/s, latency, errors")
+    p.add_argument("--requests-per-client", type=int, default=4, help="with --concurrency: requests each client sends")
+    p.add_argument("--seconds", type=float, default=600, help="with --concurrency: no request starts after this, per run")
     p.add_argument("--llama-cpp", nargs="?", const="", metavar="GGUF",
                    help="also time llama.cpp (llama-cpp-python, an optional extra) on this GGUF file (default: the "
                    "embedded default's), greedy, and both engines' step over 1/4/8/16 tokens")

@@ -168,6 +168,8 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    max_batch: int = 8  # requests decoded together (also `MedusaModel.generate` over a list of prompts)
+    max_queue: int = 32  # requests waiting for a row beyond those; more are refused (503), not queued without bound
 
 
 @dataclass(frozen=True)
@@ -184,6 +186,9 @@ class CalibrateConfig:
     # the guard interpolates between them, the tree chosen for the middle one
     latency_contexts: tuple[int, ...] = (128, 512, 2048)
     latency_repeats: int = 7  # timed steps per tree size; the median is kept
+    # batches whose step latency is timed too (at the first context), for each tree the guard may pick: a batch's
+    # rows share a forward pass, and from some size on plain steps for all of them give more tokens per second
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
@@ -193,6 +198,9 @@ class CalibrateConfig:
         if not self.latency_contexts or not all(isinstance(n, int) and n >= 1 for n in self.latency_contexts):
             raise ValueError(f"latency_contexts must be positive integers, got {self.latency_contexts!r}")
         object.__setattr__(self, "latency_contexts", tuple(self.latency_contexts))
+        if list(self.batch_sizes)[:1] != [1] or list(self.batch_sizes) != sorted(set(self.batch_sizes)):
+            raise ValueError(f"batch_sizes must increase from 1, got {self.batch_sizes!r}")
+        object.__setattr__(self, "batch_sizes", tuple(self.batch_sizes))
         if not isinstance(self.guess_vocab, int) or not (self.guess_vocab == 0 or self.guess_vocab >= self.top_k):
             raise ValueError(f"guess_vocab must be 0 (the whole vocabulary) or at least top_k ({self.top_k}), "
                              f"got {self.guess_vocab!r}")

@@ -1,13 +1,16 @@
 """THE decoding loop, in call order: prefill -> propose -> verify -> accept -> commit.
 
 Works on any `transformers` causal LM through its own interface: the backbone (`model.base_model`)
-takes a 4D attention mask, explicit position ids and a DynamicCache, so the whole tree is verified in
-one forward pass with no patched model code. Batch size 1, as in the MEDUSA paper. Which tree a step verifies is
-the guard's choice (guard.py) under `--tree auto`, else always the one given.
+takes a 4D attention mask, explicit position ids and a cache, so every tree is verified in one forward pass with no
+patched model code. A Batch decodes several sequences together, one forward pass per step over every row's tree:
+rows join (their prefill) and leave at any step, each with its own positions, cache entries, acceptance rule and
+random generator; a single request is a batch of one. Which tree a row's step verifies is its guard's choice
+(guard.py) under `--tree auto`, else always the one given.
 """
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -41,10 +44,9 @@ def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) 
         )
 
 
-def forward(model: PreTrainedModel, tokens, cache, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backbone + LM head. tokens: [T] -> (logits [T, V], last hidden states [T, H])."""
-    out = model.base_model(input_ids=tokens[None], past_key_values=cache, use_cache=True, **kw)
-    hidden = out.last_hidden_state[0]
+def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], last hidden states [B, T, H])."""
+    hidden = model.base_model(input_ids=tokens, past_key_values=cache, use_cache=True, **kw).last_hidden_state
     return model.get_output_embeddings()(hidden), hidden
 
 
@@ -53,10 +55,10 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
 
 
 def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (a cache of `capacity` positions, logits [V] and hidden [H] at the last position)."""
+    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and hidden [H] at the last position)."""
     cache = kv.allocate(model, capacity)
-    logits, hidden = forward(model, prompt, cache)
-    return cache, logits[-1], hidden[-1]
+    logits, hidden = forward(model, prompt[None], cache)
+    return cache, logits[0, -1], hidden[0, -1]
 
 
 def guess(heads: MedusaHeads, lm_head, hidden: torch.Tensor, top_k: int, depth: int) -> torch.Tensor:
@@ -71,20 +73,146 @@ def propose(guesses: torch.Tensor | None, tree: Tree, device) -> torch.Tensor:
     return guesses[tree.heads, tree.ranks]
 
 
+def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:
+    """[B, 1, nodes, start+nodes] additive mask of one step whose nodes sit from column `start`: row b's node i sees
+    the row's own lengths[b] entries (not the hole up to `start` where another row is longer) and its ancestors in
+    the row's tree; the padding nodes after a smaller tree see themselves only."""
+    seen = torch.zeros(len(trees), nodes, start + nodes, dtype=torch.bool)
+    seen[:, :, :start] = (torch.arange(start) < torch.tensor(lengths)[:, None])[:, None]
+    seen[:, :, start:] = torch.eye(nodes, dtype=torch.bool)
+    for row, tree in enumerate(trees):
+        seen[row, : tree.num_nodes, start : start + tree.num_nodes] = tree.attention
+    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
+    return mask[:, None].to(device)
+
+
 def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[1, 1, N+1, prefix_len+N+1] additive mask: every node sees the prefix and its own ancestors."""
-    n = tree.num_nodes
-    mask = torch.zeros(n, prefix_len + n, dtype=dtype, device=device)
-    mask[:, prefix_len:].masked_fill_(~tree.attention.to(device), torch.finfo(dtype).min)
-    return mask[None, None]
+    return step_mask([tree], [prefix_len], prefix_len, tree.num_nodes, dtype, device)
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int):
-    """One forward pass over all N+1 nodes -> logits [N+1, V], hidden [N+1, H]."""
-    device = tokens.device
-    positions = (prefix_len + tree.depths.to(device))[None]
-    mask = tree_mask(tree, prefix_len, model.dtype, device)
-    return forward(model, tokens, cache, position_ids=positions, attention_mask=mask)
+    """One row's forward pass over all N+1 nodes -> logits [N+1, V], hidden [N+1, H]."""
+    positions = (prefix_len + tree.depths.to(tokens.device))[None]
+    mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
+    logits, hidden = forward(model, tokens[None], cache, position_ids=positions, attention_mask=mask)
+    return logits[0], hidden[0]
+
+
+@dataclass(eq=False)
+class Row:
+    """One sequence of a batch: its request, and what its next step starts from."""
+
+    config: GenerationConfig
+    guard: Guard
+    eos_ids: frozenset[int]
+    generator: torch.Generator | None
+    root: int  # the last token produced: the root of the next step's tree
+    hidden: torch.Tensor  # [H] the base model's last hidden state before the root, which the heads guess from
+    length: int  # the row's cache entries: the prompt and every token before the root
+    produced: int = 1  # tokens produced so far, the root included
+
+    @property
+    def done(self) -> bool:
+        return self.produced >= self.config.max_new_tokens or self.root in self.eos_ids
+
+
+@dataclass
+class Plan:
+    """What one row verifies in a step."""
+
+    tree: Tree  # the guard's pick, cut at the token budget
+    tokens: torch.Tensor  # [N+1] the root and the candidates
+    guesses: torch.Tensor | None  # [depth, top_k] the heads' guesses, for the guard
+    timed: bool  # whether the step's time tells the guard about its tree
+
+
+class Batch:
+    """Sequences decoded together: `join` prefills one, `step` runs one forward pass for every row and returns what
+    each produced; a row leaves by itself when done (budget, EOS), or by `leave` (a stop string, a cancelled
+    request). The cache's rows follow `rows`."""
+
+    def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
+        self.model, self.heads, self.lm_head = model, heads, guess_projection(model)  # the guesses' projection
+        self.cache = kv.allocate(model, 0)
+        self.rows: list[Row] = []
+
+    def join(self, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
+             eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None) -> Row:
+        """Prefills prompt [T] and returns its row, whose root is the first token; a row done already (EOS, a budget
+        of one) is not added."""
+        check_context(self.model, prompt.shape[-1], config.max_new_tokens)
+        ladder = Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
+        for tree in ladder.trees:
+            if tree.num_nodes > 1:
+                tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
+        with torch.inference_mode():
+            cache, logits, hidden = prefill(self.model, prompt, prompt.shape[-1])
+            root = first_token(logits, config, generator)
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, hidden, prompt.shape[-1])
+            if not row.done:
+                # the row holds at most its prompt, every new token but the last, and one tree
+                kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
+                self.rows.append(row)
+        return row
+
+    def plan(self, row: Row) -> Plan:
+        """Propose: the row's tree for this step (its guard weighs it at this batch's size) and its candidates."""
+        tree, guessing = row.guard.choose(row.length, len(self.rows))  # guessing: (top_k, depth) of the guesses, or None
+        step_tree = tree.truncated(row.config.max_new_tokens - row.produced - 1)  # never guess past the budget
+        guesses = guess(self.heads, self.lm_head, row.hidden, *guessing) if guessing else None
+        device = row.hidden.device
+        tokens = torch.cat([torch.tensor([row.root], device=device), propose(guesses, step_tree, device)])
+        # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
+        return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None)
+
+    def step(self) -> list[tuple[Row, list[int], int]]:
+        """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per
+        row, in the order of `rows` before the step."""
+        start_time = time.perf_counter()
+        rows, start = list(self.rows), kv.width(self.cache)
+        with torch.inference_mode():
+            plans = [self.plan(row) for row in rows]
+            nodes = max(plan.tree.num_nodes for plan in plans)
+            device = plans[0].tokens.device
+            tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)  # [B, T], padding 0
+            positions = torch.tensor([row.length for row in rows], device=device)[:, None].repeat(1, nodes)
+            for b, plan in enumerate(plans):
+                tokens[b, : plan.tree.num_nodes] = plan.tokens
+                positions[b, : plan.tree.num_nodes] += plan.tree.depths.to(device)
+            mask = step_mask([plan.tree for plan in plans], [row.length for row in rows], start, nodes, self.model.dtype,
+                             device)
+            kv.reserve(self.cache, len(rows), start + nodes)
+            logits, hidden = forward(self.model, tokens, self.cache, position_ids=positions, attention_mask=mask)
+            accepted = [RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree, row.config,
+                                               row.generator) for b, (row, plan) in enumerate(zip(rows, plans))]
+            paths = [path.tolist() for path, _ in accepted]
+            kv.commit(self.cache, start, [row.length for row in rows], paths)
+        seconds = time.perf_counter() - start_time
+        events = []
+        for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
+            new = plan.tokens[path[1:]].tolist() + [root]
+            for i, token in enumerate(new):
+                if token in row.eos_ids:
+                    new, root = new[: i + 1], token
+                    break
+            # a batch's step time is shared: only a batch of one times its tree
+            row.guard.record(plan.guesses, new, seconds if plan.timed and len(rows) == 1 else None, row.length)
+            row.root, row.hidden, row.length = root, hidden[b, path[-1]], row.length + len(path)
+            row.produced += len(new)
+            events.append((row, new, plan.tree.num_nodes - 1))
+        for row in rows:
+            if row.done:
+                self.leave(row)
+        return events
+
+    def leave(self, row: Row) -> None:
+        """Drops `row` from the batch (its cache row too)."""
+        index = self.rows.index(row)
+        self.rows[index] = self.rows[-1]
+        self.rows.pop()
+        with torch.inference_mode():
+            kv.remove(self.cache, index, max((r.length for r in self.rows), default=0))
 
 
 def decode(
@@ -96,46 +224,15 @@ def decode(
     eos_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
 ) -> Iterator[tuple[list[int], int]]:
-    """Yields the tokens of each forward pass and how many candidates it verified: the prefill's one token (0),
-    then 1 + accepted per step.
+    """One request, a batch of one. Yields the tokens of each forward pass and how many candidates it verified: the
+    prefill's one token (0), then 1 + accepted per step. Stops after max_new_tokens tokens or at an EOS token (which
+    is yielded).
 
-    prompt: [T] token ids. trees: one tree, or a Ladder of trees of which a Guard picks one per step (`--tree
-    auto`). Stops after max_new_tokens tokens or at an EOS token (which is yielded).
+    prompt: [T] token ids. trees: one tree, or a Ladder of trees of which a Guard picks one per step (`--tree auto`).
     """
-    check_context(model, prompt.shape[-1], config.max_new_tokens)
-    ladder = Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
-    for tree in ladder.trees:
-        if tree.num_nodes > 1:
-            tree.check_heads(heads.config.num_heads, heads.config.vocab_size)
-    rule = RULES[config.rule]
-    lm_head = guess_projection(model)  # the heads' guesses only; the model's logits come from its own LM head
-    device = prompt.device
-    with torch.inference_mode():
-        # the cache holds at most the prompt, every new token but the last, and one tree
-        capacity = prompt.shape[-1] + config.max_new_tokens + max(tree.num_nodes for tree in ladder.trees)
-        cache, logits, hidden = prefill(model, prompt, capacity)
-        root = first_token(logits, config, generator)
-        guard = Guard(ladder, root)
-        prefix_len, produced = prompt.shape[-1], 1
-        yield [root], 0
-        while produced < config.max_new_tokens and root not in eos_ids:
-            start = time.perf_counter()
-            tree, guessing = guard.choose(prefix_len)  # guessing: (top_k, depth) of the heads' guesses, or None
-            step_tree = tree.truncated(config.max_new_tokens - produced - 1)  # never guess past the budget
-            guesses = guess(heads, lm_head, hidden, *guessing) if guessing else None
-            tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, step_tree, device)])  # [N+1]
-            logits, hidden_all = verify(model, cache, tokens, step_tree, prefix_len)
-            path, root = rule(tokens, logits, step_tree, config, generator)
-            kv.commit(cache, prefix_len, path.to(device))
-            hidden = hidden_all[path[-1]]
-            new = tokens[path[1:]].tolist() + [root]
-            for i, token in enumerate(new):
-                if token in eos_ids:
-                    new, root = new[: i + 1], token
-                    break
-            # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
-            seconds = time.perf_counter() - start if step_tree is tree and config.seed is None else None
-            guard.record(guesses, new, seconds, prefix_len)
-            prefix_len += len(path)
-            produced += len(new)
-            yield new, step_tree.num_nodes - 1
+    batch = Batch(model, heads)
+    row = batch.join(prompt, config, trees, eos_ids, generator)
+    yield [row.root], 0
+    while batch.rows:
+        (_, new, size), = batch.step()
+        yield new, size

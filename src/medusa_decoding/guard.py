@@ -24,6 +24,11 @@ picks the tree with the most expected tokens per second.
   running; and while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that
   the baseline they must beat is timed in this very request.
 
+In a batch (decoding.Batch) the rows share each forward pass: a row's guard weighs every tree at the latency of a
+step of the whole batch with that tree (calibrate times steps at several batch sizes), so as the batch grows
+speculation has to pay for more rows and the guards move to smaller trees, down to plain steps. Steps of a batch are
+not timed (their time is every row's).
+
 Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
 reproducible to a few percent from run to run, and a few steps' yields are noisy.
 
@@ -64,6 +69,8 @@ class Ladder:
     expected_tokens: tuple[float, ...]
     contexts: tuple[int, ...]
     latency_s: tuple[tuple[float, ...], ...]
+    batch_sizes: tuple[int, ...] = (1,)  # batches whose step latency was measured (calibrate), increasing from 1
+    batch_latency_s: tuple[tuple[float, ...], ...] | None = None  # [batch_sizes][trees] a whole batch's step seconds
 
     def __post_init__(self):
         n = len(self.trees)
@@ -76,6 +83,11 @@ class Ladder:
         for smaller, larger in zip(self.trees, self.trees[1:]):
             if not set(smaller.paths) <= set(larger.paths):
                 raise ValueError("ladder: every tree must hold the nodes of the smaller ones")
+        if self.batch_latency_s is not None and (
+                self.batch_sizes[0] != 1 or list(self.batch_sizes) != sorted(set(self.batch_sizes))
+                or len(self.batch_latency_s) != len(self.batch_sizes)
+                or any(len(row) != n or min(row) <= 0 for row in self.batch_latency_s)):
+            raise ValueError("ladder: batch sizes 1 < b2 < ..., a positive batch step latency for every tree at each")
 
     @staticmethod
     def fixed(tree: Tree) -> "Ladder":
@@ -87,16 +99,25 @@ class Ladder:
         """The largest: calibration's pick (the one tree of a fixed ladder)."""
         return self.trees[-1]
 
-    def latency(self, context: int) -> list[float]:
-        """Step seconds of every tree at `context` tokens: linear between the measured contexts, flat beyond."""
-        contexts, rows = self.contexts, self.latency_s
-        if context <= contexts[0] or len(contexts) == 1:
-            return list(rows[0])
-        if context >= contexts[-1]:
-            return list(rows[-1])
-        c = next(c for c in range(1, len(contexts)) if contexts[c] >= context)
-        w = (context - contexts[c - 1]) / (contexts[c] - contexts[c - 1])
-        return [a + w * (b - a) for a, b in zip(rows[c - 1], rows[c])]
+    def latency(self, context: int, batch: int = 1) -> list[float]:
+        """Step seconds of every tree at `context` tokens in a batch of `batch` rows: the one-row latency at that
+        context, times what the batch's step costs against one row's with that tree (measured at one context)."""
+        one = interpolate(self.contexts, self.latency_s, context)
+        if batch == 1 or self.batch_latency_s is None:
+            return one
+        scale = [b / a for a, b in zip(self.batch_latency_s[0], interpolate(self.batch_sizes, self.batch_latency_s, batch))]
+        return [seconds * factor for seconds, factor in zip(one, scale)]
+
+
+def interpolate(at: tuple[int, ...], rows: tuple[tuple[float, ...], ...], x: float) -> list[float]:
+    """rows[i] holds at at[i] (increasing): the row at x, linear between, flat beyond."""
+    if x <= at[0] or len(at) == 1:
+        return list(rows[0])
+    if x >= at[-1]:
+        return list(rows[-1])
+    c = next(c for c in range(1, len(at)) if at[c] >= x)
+    w = (x - at[c - 1]) / (at[c] - at[c - 1])
+    return [a + w * (b - a) for a, b in zip(rows[c - 1], rows[c])]
 
 
 class Guard:
@@ -122,16 +143,16 @@ class Guard:
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
         self.opening = OPENING + self.depth  # ... yields pick its first tree (a step's are known `depth` steps later)
 
-    def choose(self, context: int) -> tuple[Tree, tuple[int, int] | None]:
-        """The tree of the next step at `context` tokens, and what the heads guess in it: (top_k, depth), enough for
-        every tree of the ladder, or None (a plain step that does not probe)."""
+    def choose(self, context: int, batch: int = 1) -> tuple[Tree, tuple[int, int] | None]:
+        """The tree of the next step at `context` tokens in a batch of `batch` rows, and what the heads guess in it:
+        (top_k, depth), enough for every tree of the ladder, or None (a plain step that does not probe)."""
         if not self.watching:
             tree = self.ladder.tree
             return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
         if self.plain_steps + self.tree_steps < self.opening:  # the smallest tree (plain, from calibrate), guessing
             self.plain_steps += 1
             return self.ladder.trees[0], self.watched
-        latency = self.ladder.latency(context)
+        latency = self.ladder.latency(context, batch)
         seen = self.time_factor[self.choice] or 1.0  # trees not timed yet: their calibrated latency ratio
         speed = [tokens / ((factor or seen) * seconds)
                  for tokens, factor, seconds in zip(self.tokens, self.time_factor, latency)]

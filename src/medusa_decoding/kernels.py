@@ -93,8 +93,8 @@ def native_build() -> str | None:
                                                                                                       codes.shape[0]))
     torch.library.register_fake("medusa::linear_q8")(lambda x, codes, scales, bits, path: x.new_empty(x.shape[0],
                                                                                                        codes.shape[0]))
-    torch.library.register_fake("medusa::attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape[1], q.shape[0],
-                                                                                              q.shape[2]))
+    torch.library.register_fake("medusa::attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2],
+                                                                                              q.shape[1], q.shape[3]))
     return None
 
 
@@ -262,17 +262,17 @@ INVARIANT_ATTENTION = "medusa_attention"
 def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """The attention of native kernels: a MEDUSA step's queries (a float mask, 0 where a key is seen, or one query
     seeing every key) through medusa::attention, whose output for a query depends only on the keys it sees, in
-    position order; a tree node then gets bitwise what a one-token pass gives its token. The prefill (a causal
-    pass over the prompt) and anything else through grouped_sdpa. query: [1, H, T, D]; key, value: [1, H_kv, S, D]
-    -> [1, T, H, D]."""
-    mask, queries = attention_mask, query.shape[2]
+    position order; a tree node then gets bitwise what a one-token pass gives its token, and a row of a batch what
+    it gets alone. The prefill (a causal pass over the prompt) and anything else through grouped_sdpa.
+    query: [B, H, T, D]; key, value: [B, H_kv, S, D] -> [B, T, H, D]."""
+    mask, (batch, _, queries, _) = attention_mask, query.shape
     step = (mask is None and queries == 1) or (mask is not None and mask.dtype == query.dtype and mask.dim() == 4
-                                               and mask.shape[:2] == (1, 1) and queries <= MAX_ROWS)
-    if not step or dropout or query.shape[0] != 1 or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
+                                               and mask.shape[1] == 1 and queries <= MAX_ROWS)
+    if not step or dropout or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = torch.ops.medusa.attention(query[0], key[0], value[0], None if mask is None else mask[0, 0], scale)
-    return out[None], None
+    mask = None if mask is None else mask[:, 0].expand(batch, -1, -1)
+    return torch.ops.medusa.attention(query, key, value, mask, scale), None
 
 
 AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)

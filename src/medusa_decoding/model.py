@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from . import default_model, formats
-from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig
-from .decoding import decode
+from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
+from .decoding import Batch, Row
 from .guard import Ladder
 from .heads import MedusaHeads
 from .kernels import resolve_kernels, set_guess_vocab, use_kernels
@@ -60,6 +60,7 @@ class Step(NamedTuple):
     tokens: list[int]  # the tokens it produced (stop strings applied)
     text: str  # the whole answer so far
     tree_size: int  # the candidates it verified (0: a plain step, or the prefill)
+    done: bool = False  # the request's last step
 
 
 class MedusaModel:
@@ -188,66 +189,165 @@ class MedusaModel:
             raise ValueError("the prompt is empty: nothing to continue")
         return ids.to(self.model.device)
 
+    def encode_many(self, prompt=None, *, messages=None, raw: bool = False) -> list[torch.Tensor] | None:
+        """Several prompts (a list of strings, of id lists, or of message lists) -> their ids; one prompt -> None."""
+        if messages is not None and messages and isinstance(messages[0], (list, tuple)):
+            return [self.encode(messages=m) for m in messages]
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (str, list, tuple, torch.Tensor)):
+            return [self.encode(p, raw=raw) for p in prompt]
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 2:
+            return [self.encode(p) for p in prompt]
+        return None
+
+    def generator(self, config: GenerationConfig) -> torch.Generator | None:
+        """A request's own random numbers: seeded by config.seed, or at random; None when greedy."""
+        if config.temperature == 0:
+            return None
+        generator = torch.Generator(self.model.device)
+        generator.manual_seed(config.seed if config.seed is not None else torch.seed())
+        return generator
+
     def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None
               ) -> Iterator[Step]:
         """Yields a Step after each forward pass, stop strings applied."""
         ids = self.encode(prompt, messages=messages, raw=raw)
-        generator = None
-        if config.temperature > 0:
-            generator = torch.Generator(self.model.device)
-            generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         if streamer is not None:
             streamer.put(ids[None].cpu())
-        generated: list[int] = []
-        for new, tree_size in decode(self.model, self.heads, ids, config, self.trees, self.eos_ids, generator):
-            start = len(generated)
-            generated += new
-            text = self.decode(generated)
-            stop_at = first_stop(text, config.stop)
-            if stop_at is not None:  # keep the tokens up to the one that completes the stop string
-                end = next(n for n in range(start + 1, len(generated) + 1) if first_stop(self.decode(generated[:n]), config.stop) is not None)
-                new, generated, text = new[: end - start], generated[:end], text[:stop_at]
+        running = Running(self)
+        events = running.add(0, ids, config)
+        while events:
+            (_, step, _), = events
             if streamer is not None:
-                streamer.put(torch.tensor(new))
-            yield Step(new, text, tree_size)
-            if stop_at is not None:
-                break
+                streamer.put(torch.tensor(step.tokens))
+            yield step
+            events = running.step()
         if streamer is not None:
             streamer.end()
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def generate(self, prompt=None, *, messages=None, raw=False, config=None, streamer=None, **overrides) -> GenerationOutput:
-        """Runs to the end. overrides: any GenerationConfig field (max_new_tokens=..., temperature=...)."""
+    def generate(self, prompt=None, *, messages=None, raw=False, config=None, streamer=None,
+                 max_batch: int = ServerConfig.max_batch, **overrides):
+        """Runs to the end -> a GenerationOutput; several prompts (a list) -> a list of them, decoded in batches of up to
+        `max_batch` (each prompt joins as soon as another has finished). overrides: any GenerationConfig field
+        (max_new_tokens=..., temperature=...)."""
         config = replace(config or GenerationConfig(), **overrides)
-        out = GenerationOutput()
-        start = time.perf_counter()
+        if (many := self.encode_many(prompt, messages=messages, raw=raw)) is not None:
+            if streamer is not None:
+                raise ValueError("streamer: one prompt at a time (transformers' streamers take a batch of one)")
+            outputs = [GenerationOutput() for _ in many]
+            for index, step in self.run_batch(many, config, max_batch):
+                record(outputs[index], step)
+            return outputs
+        out, start = GenerationOutput(), time.perf_counter()
         for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
             out.first_token_seconds = out.first_token_seconds or time.perf_counter() - start
-            out.token_ids += step.tokens
-            out.accept_lengths.append(len(step.tokens))
-            out.tree_sizes.append(step.tree_size)
-            out.text = step.text
+            record(out, step)
         out.seconds = time.perf_counter() - start
         return out
 
-    def stream(self, prompt=None, *, messages=None, raw=False, config=None, **overrides) -> Iterator[str]:
-        """Yields text as it is accepted; holds back an incomplete character or a possible stop string."""
+    def run_batch(self, prompts: list[torch.Tensor], config: GenerationConfig, max_batch: int
+                  ) -> Iterator[tuple[int, Step]]:
+        """(prompt index, Step) per row of every forward pass, up to `max_batch` prompts decoded together."""
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+        running, waiting = Running(self), list(enumerate(prompts))[::-1]
+        while running or waiting:
+            events = []
+            while waiting and len(running) < max_batch:
+                events += running.add(*waiting.pop(), config)
+            events += running.step() if running else []
+            for index, step, _ in events:
+                yield index, step
+
+    def stream(self, prompt=None, *, messages=None, raw=False, config=None, max_batch: int = ServerConfig.max_batch,
+               **overrides) -> Iterator:
+        """Yields text as it is accepted; holds back an incomplete character or a possible stop string. Several
+        prompts: (prompt index, text) pairs, the answers interleaved as their steps come."""
         config = replace(config or GenerationConfig(), **overrides)
-        for _, piece in text_pieces(self.steps(prompt, messages=messages, raw=raw, config=config), config.stop):
-            if piece:
+        if (many := self.encode_many(prompt, messages=messages, raw=raw)) is not None:
+            pieces = [TextPieces(config.stop) for _ in many]
+            for index, step in self.run_batch(many, config, max_batch):
+                if piece := pieces[index].add(step.text, step.done):
+                    yield index, piece
+            return
+        pieces = TextPieces(config.stop)
+        for step in self.steps(prompt, messages=messages, raw=raw, config=config):
+            if piece := pieces.add(step.text, step.done):
                 yield piece
 
 
-def text_pieces(steps: Iterator[Step], stops: tuple[str, ...]) -> Iterator[tuple[list[int], str]]:
-    """(new token ids, text safe to show) per step of `MedusaModel.steps`, then ([], the held-back rest)."""
-    sent, text = 0, ""
-    for new, text, _ in steps:
-        ready = max(len(text) - held_back(text, stops), sent)
-        yield new, text[sent:ready]
-        sent = ready
-    yield [], text[sent:]
+class Running:
+    """Requests decoded together, as text: a Batch whose rows carry their answers so far. Each request joins with
+    `add` (its prefill) and leaves when done: EOS, its token budget, or a stop string (cut where the string starts,
+    the token that completes it kept). `add` and `step` return (key, Step, finished) per request that moved."""
+
+    def __init__(self, medusa: MedusaModel):
+        self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads)
+        self.requests: dict[Row, tuple[object, GenerationConfig, list[int]]] = {}  # row -> (key, config, tokens)
+
+    def __len__(self) -> int:
+        return len(self.requests)
+
+    def add(self, key, ids: torch.Tensor, config: GenerationConfig, model: MedusaModel | None = None
+            ) -> list[tuple[object, Step, bool]]:
+        """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
+        model = model or self.medusa
+        row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config))
+        self.requests[row] = (key, config, [])
+        return [self.advance(row, [row.root], 0)]
+
+    def step(self) -> list[tuple[object, Step, bool]]:
+        """One forward pass for every request running."""
+        return [self.advance(row, new, size) for row, new, size in self.batch.step()] if self.batch.rows else []
+
+    def drop(self, key) -> None:
+        """Ends a request before it is done (its client went away)."""
+        row = next(row for row, request in self.requests.items() if request[0] == key)
+        self.finish(row)
+
+    def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step, bool]:
+        key, config, generated = self.requests[row]
+        start = len(generated)
+        generated += new
+        text = self.medusa.decode(generated)
+        stop_at = first_stop(text, config.stop)
+        if stop_at is not None:  # keep the tokens up to the one that completes the stop string
+            end = next(n for n in range(start + 1, len(generated) + 1)
+                       if first_stop(self.medusa.decode(generated[:n]), config.stop) is not None)
+            new, text = new[: end - start], text[:stop_at]
+            del generated[end:]
+        done = stop_at is not None or row.done
+        if done:
+            self.finish(row)
+        return key, Step(new, text, tree_size, done), done
+
+    def finish(self, row: Row) -> None:
+        del self.requests[row]
+        if row in self.batch.rows:
+            self.batch.leave(row)
+
+
+def record(out: GenerationOutput, step: Step) -> None:
+    out.token_ids += step.tokens
+    out.accept_lengths.append(len(step.tokens))
+    out.tree_sizes.append(step.tree_size)
+    out.text = step.text
+
+
+class TextPieces:
+    """What of an answer's text is safe to show: not an incomplete character nor what may turn into a stop string,
+    until the answer is done."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops, self.sent = stops, 0
+
+    def add(self, text: str, done: bool = False) -> str:
+        """The answer so far -> the new text safe to show (all of the rest when done)."""
+        ready = len(text) if done else max(len(text) - held_back(text, self.stops), self.sent)
+        piece, self.sent = text[self.sent : ready], ready
+        return piece
 
 
 def first_stop(text: str, stops: tuple[str, ...]) -> int | None:

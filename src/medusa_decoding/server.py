@@ -1,20 +1,26 @@
-"""OpenAI-compatible HTTP server over the one decoding loop (`medusa serve`).
+"""OpenAI-compatible HTTP server over the one decoding loop (`medusa serve`), batching continuously.
 
-One worker thread owns the model and runs one generation at a time, in arrival order; each request's
-text reaches its HTTP response through an asyncio queue, so the event loop never waits on the model.
-A request is checked (fields, tree, prompt length) before it is queued, so a bad one gets an ordinary
-400 even when it asked for a stream. A client that goes away sets its job's cancel flag: the worker
-stops that generation after the current forward pass.
+One worker thread owns the model. Every request it has admitted is a row of one running batch (model.Running):
+a request joins at the next step (its prefill) and leaves when done, cancelled or disconnected, so eight users are
+served by one forward pass a step, not one after another. Up to `max_batch` requests run; up to `max_queue` more
+wait, and beyond that a request is answered at once with a 503 (an OpenAI-style error) instead of queueing without
+bound. Each request's text reaches its HTTP response through an asyncio queue, so the event loop never waits on the
+model. A request is checked (fields, tree, prompt length) before it is queued, so a bad one gets an ordinary 400 even
+when it asked for a stream. A client that goes away sets its job's cancel flag: the worker drops its row before the
+next forward pass.
 
 >>> engine = Engine()
 >>> uvicorn.run(create_app(engine.load(MedusaModel.from_pretrained), "SmolLM2-135M-Instruct", engine))
 """
 
 import asyncio
+import contextlib
 import json
+import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
@@ -28,9 +34,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
-from .config import GenerationConfig
+from .config import GenerationConfig, ServerConfig
 from .decoding import check_context
-from .model import GenerationOutput, MedusaModel, first_stop, text_pieces
+from .model import GenerationOutput, MedusaModel, Running, Step, TextPieces, first_stop, record
 from .tree import Tree
 
 # request field -> GenerationConfig field; the later of two aliases wins
@@ -98,9 +104,10 @@ class CompletionRequest(CommonRequest):
 class RequestError(Exception):
     """Becomes an OpenAI-style error body: {"error": {"message", "type", "param", "code"}}."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400,
+                 kind: str = "invalid_request_error"):
         super().__init__(message)
-        self.param, self.code, self.status = param, code, status
+        self.param, self.code, self.status, self.kind = param, code, status, kind
 
 
 def error_body(message: str, param=None, code=None, kind="invalid_request_error") -> dict:
@@ -183,6 +190,12 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then Finished or an error
     cancelled: threading.Event = field(default_factory=threading.Event)
+    out: GenerationOutput = field(default_factory=GenerationOutput)  # what the worker produced so far
+    pieces: TextPieces = None  # what of its text was sent
+    start: float = 0.0  # when its prefill began
+
+    def __post_init__(self):
+        self.pieces = TextPieces(self.config.stop)
 
     def put(self, event) -> None:
         """From the worker thread."""
@@ -190,53 +203,104 @@ class Job:
 
 
 class Engine:
-    """The one thread that touches the model. Counters feed /health; each is written by one thread only.
+    """The one thread that touches the model, and the queue of requests waiting for a row of its batch. Counters feed
+    /health.
 
     Load the model on it too (`load`): torch's OpenMP (libgomp) keeps a pool of workers for every thread that has
     run parallel work, and once those outnumber the cores every pool stops spin-waiting, so a model loaded on
     the main thread and run on this one decoded at 20 instead of 35 tokens/s on a 2-core Xeon.
     """
 
-    def __init__(self):
+    def __init__(self, max_batch: int = ServerConfig.max_batch, max_queue: int = ServerConfig.max_queue):
+        if not isinstance(max_batch, int) or max_batch < 1 or not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch!r} and {max_queue!r}")
+        self.max_batch, self.max_queue = max_batch, max_queue
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
-        self.submitted = 0  # by the event loop
+        self.lock = threading.Condition()
+        self.waiting: deque[Job] = deque()  # guarded by lock
+        self.running = 0  # rows in the batch, by the worker
+        self.started = self.closed = False
+        self.submitted = self.rejected = 0  # by the event loop
         self.finished = self.cancelled = self.forward_passes = 0  # by the worker
 
     def load(self, load: Callable[[], MedusaModel]) -> MedusaModel:
         return self.worker.submit(load).result()
 
     def submit(self, job: Job) -> None:
-        self.submitted += 1
-        self.worker.submit(self.run, job)
+        """Queues a job for the next step, or refuses it (503) when max_queue jobs wait already."""
+        with self.lock:
+            if len(self.waiting) >= self.max_queue + max(self.max_batch - self.running, 0):
+                self.rejected += 1
+                raise RequestError(f"the server is busy: {self.running} requests running and {len(self.waiting)} "
+                                   "waiting; try again later", code="server_busy", status=503, kind="server_error")
+            self.waiting.append(job)
+            self.submitted += 1
+            if not self.started:
+                self.started = True
+                self.worker.submit(self.serve)
+            self.lock.notify()
 
-    def run(self, job: Job) -> None:
-        try:
-            job.put(self.generate(job))
-        except Exception as error:  # reported to its client; the worker serves on
-            job.put(error)
-        finally:
-            self.finished += 1
+    def close(self) -> None:
+        with self.lock:
+            self.closed = True
+            self.lock.notify()
+        self.worker.shutdown(wait=False, cancel_futures=True)
 
-    def generate(self, job: Job) -> Finished:
-        """Runs the job's steps until done or cancelled (checked before every forward pass)."""
-        out, start = GenerationOutput(), time.perf_counter()
-        pieces = text_pieces(job.model.steps(job.ids, config=job.config), job.config.stop)
-        while not job.cancelled.is_set():
-            new, piece = next(pieces, (None, None))
-            if new is None:
-                out.seconds = time.perf_counter() - start
-                return Finished(out, finish_reason(job.model, out, job.config))
-            if new:
-                self.forward_passes += 1
-                out.token_ids += new
-                out.accept_lengths.append(len(new))
-            if piece:
-                out.text += piece
-                job.put(piece)
-        self.cancelled += 1
-        return Finished(out, "cancelled")  # ends a non-streaming request's wait; its client is gone
+    def serve(self) -> None:
+        """The worker's loop: admit what waits, drop what was cancelled, one forward pass for every row."""
+        running: Running | None = None
+        jobs: dict[int, Job] = {}  # the batch's rows, by id(job)
+        while True:
+            with self.lock:
+                while not self.waiting and not jobs and not self.closed:
+                    self.lock.wait()
+                if self.closed:
+                    return
+                admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(jobs)))]
+                self.running = len(jobs) + len(admitted)
+            events = []
+            for job in admitted:
+                if job.cancelled.is_set():  # its client left while it waited: never run
+                    self.end(job, Finished(job.out, "cancelled"))
+                    continue
+                running = running or Running(job.model)  # every job's model holds the same weights
+                try:
+                    job.start = time.perf_counter()
+                    events += running.add(id(job), job.ids, job.config, job.model)
+                    jobs[id(job)] = job
+                    self.forward_passes += 1
+                except Exception as error:  # reported to its client; the other rows run on
+                    self.end(job, error)
+            for key in [key for key, job in jobs.items() if job.cancelled.is_set()]:
+                running.drop(key)
+                job = jobs.pop(key)
+                self.end(job, Finished(job.out, "cancelled"))
+            try:
+                events += running.step() if jobs else []
+            except Exception as error:  # a failed pass fails its rows (their cache is half written); the worker serves on
+                for job in jobs.values():
+                    self.end(job, error)
+                jobs.clear()
+                running = None
+                continue
+            self.forward_passes += 1 if jobs else 0
+            for key, step, done in events:
+                job = jobs[key] if not done else jobs.pop(key)
+                record(job.out, step)
+                if piece := job.pieces.add(step.text, done):
+                    job.put(piece)
+                if done:
+                    job.out.seconds = time.perf_counter() - job.start
+                    self.end(job, Finished(job.out, finish_reason(job.model, job.out, job.config)))
+            self.running = len(jobs)
+
+    def end(self, job: Job, event: "Finished | Exception") -> None:
+        job.put(event)
+        self.finished += 1
+        self.cancelled += isinstance(event, Finished) and event.finish_reason == "cancelled"
 
     def in_flight(self) -> int:
+        """Requests running or waiting."""
         return self.submitted - self.finished
 
 
@@ -245,10 +309,9 @@ def finish_reason(medusa: MedusaModel, out: GenerationOutput, config: Generation
     return "stop" if ended or first_stop(medusa.decode(out.token_ids), config.stop) is not None else "length"
 
 
-async def job_events(engine: Engine, job: Job, request: Request) -> AsyncIterator[str | Finished]:
-    """Queues the job and yields its text pieces, then its Finished; cancels it if the client leaves."""
+async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished]:
+    """Yields the queued job's text pieces, then its Finished; cancels it if the client leaves."""
     watcher = asyncio.create_task(cancel_on_disconnect(request, job))
-    engine.submit(job)
     try:
         while not isinstance(event := await job.events.get(), Finished):
             if isinstance(event, Exception):
@@ -318,7 +381,8 @@ async def answer(engine: Engine, medusa: MedusaModel, endpoint: Endpoint, body: 
     model, ids, config = await asyncio.to_thread(prepare, medusa, body)  # tokenizing is not free
     job = Job(model, ids, config, asyncio.get_running_loop())
     head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": body.model}
-    events = job_events(engine, job, request)
+    engine.submit(job)  # before any response starts: a full queue is an ordinary 503
+    events = job_events(job, request)
     if body.stream:
         return StreamingResponse(stream(endpoint, head, ids.numel(), events), media_type="text/event-stream")
     pieces = [event async for event in events]
@@ -361,7 +425,7 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.worker.shutdown(wait=False, cancel_futures=True)
+        engine.close()
 
     app = FastAPI(title="medusa-decoding", summary="OpenAI-compatible MEDUSA decoding", lifespan=lifespan)
 
@@ -392,13 +456,16 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
             "status": "ok",
             "model": model_id,
             "in_flight": engine.in_flight(),
+            "running": engine.running,
+            "queued": len(engine.waiting),
+            "rejected": engine.rejected,
             "cancelled": engine.cancelled,
             "forward_passes": engine.forward_passes,
         }
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
-        return JSONResponse(error_body(str(error), error.param, error.code), status_code=error.status)
+        return JSONResponse(error_body(str(error), error.param, error.code, error.kind), status_code=error.status)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, error: RequestValidationError):
@@ -419,3 +486,26 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
         return JSONResponse(error_body(f"internal error: {error}", kind="server_error"), status_code=500)
 
     return app
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI, host: str = "127.0.0.1"):
+    """`app` under uvicorn on a free port of `host`, in a thread -> its base URL (tests, the load benchmark)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind((host, 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://{host}:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

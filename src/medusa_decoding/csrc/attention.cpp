@@ -5,9 +5,10 @@
 // ~1e-7 apart). With batch-invariant linears (linear.cpp) the whole pass is batch-invariant, so MEDUSA's greedy
 // output is plain decoding's bit for bit, whatever the kernels round (int8 activations included).
 //
-// q [H, T, D], k and v [Hkv, S, D] (H a multiple of Hkv: grouped-query attention; rows contiguous), mask [T, S]
-// additive (0: seen, anything else: not; none: every key) -> [T, H, D]. The seen keys are taken in column order,
-// the cache's: the prefix, then the tree's nodes, parents before children (position order).
+// q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv: grouped-query attention; rows contiguous), mask
+// [B, T, S] additive (0: seen, anything else: not; none: every key) -> [B, T, H, D]. The seen keys are taken in column
+// order, the cache's: the prefix, then the tree's nodes, parents before children (position order). The B sequences of
+// a batch are independent: the columns a row's mask hides (another row's longer prefix) are never read.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -106,35 +107,35 @@ void attend(const float* Q, const float* K, const float* V, float* O, const std:
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                      double scale) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
-              "medusa::attention: q [H, T, D], k and v [Hkv, S, D]");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3),
+              "medusa::attention: q [B, H, T, D], k and v [B, Hkv, S, D]");
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
               "medusa::attention: float32 only");
-  const int64_t H = q.size(0), T = q.size(1), D = q.size(2), Hkv = k.size(0), S = k.size(1);
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && D <= MAX_HEAD_DIM, "medusa::attention: H a multiple of Hkv, D <= 256");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "medusa::attention: k and v rows contiguous");
-  std::vector<std::vector<int64_t>> seen(T);  // per query, the columns it sees, in order
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "medusa::attention: k and v rows contiguous");
+  std::vector<std::vector<int64_t>> seen(B * T);  // per row and query, the columns it sees, in order
   const at::Tensor m = mask.has_value() ? mask->contiguous() : at::Tensor();
   if (mask.has_value())
-    TORCH_CHECK(m.dim() == 2 && m.size(0) == T && m.size(1) == S && m.scalar_type() == at::kFloat,
-                "medusa::attention: float32 mask [T, S]");
-  for (int64_t t = 0; t < T; t++) {
-    seen[t].reserve(S);
+    TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S && m.scalar_type() == at::kFloat,
+                "medusa::attention: float32 mask [B, T, S]");
+  for (int64_t bt = 0; bt < B * T; bt++) {
+    seen[bt].reserve(S);
     for (int64_t j = 0; j < S; j++)
-      if (!mask.has_value() || m.data_ptr<float>()[t * S + j] == 0) seen[t].push_back(j);
+      if (!mask.has_value() || m.data_ptr<float>()[bt * S + j] == 0) seen[bt].push_back(j);
   }
   const int64_t G = H / Hkv;
-  const at::Tensor qc = q.transpose(0, 1).contiguous();  // [T, H, D]: a query's heads side by side
-  at::Tensor out = at::empty({T, H, D}, q.options());
+  const at::Tensor qc = q.transpose(1, 2).contiguous();  // [B, T, H, D]: a query's heads side by side
+  at::Tensor out = at::empty({B, T, H, D}, q.options());
   const float *Q = qc.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const auto run = D % LANES == 0 && D / LANES == 4 ? attend<4> : D % LANES == 0 && D / LANES == 8 ? attend<8> : attend<0>;
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * T * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> p(G * (S + LANES));
-    for (int64_t task = begin; task < end; task++) {  // one query, one kv head and the query heads that share it
-      const int64_t t = task / Hkv, g = task % Hkv;
-      run(Q + (t * H + g * G) * D, K + g * k.stride(0), V + g * v.stride(0), O + (t * H + g * G) * D, seen[t], G, D,
-          k.stride(1), v.stride(1), float(scale), p.data());
+    for (int64_t task = begin; task < end; task++) {  // one row's query, one kv head and the query heads that share it
+      const int64_t bt = task / Hkv, b = bt / T, g = task % Hkv;
+      run(Q + (bt * H + g * G) * D, K + b * k.stride(0) + g * k.stride(1), V + b * v.stride(0) + g * v.stride(1),
+          O + (bt * H + g * G) * D, seen[bt], G, D, k.stride(2), v.stride(2), float(scale), p.data());
     }
   });
   return out;
