@@ -262,3 +262,20 @@ def test_a_seeded_sampled_run_repeats_however_long_its_steps_take(llama, monkeyp
         return [t for new, _ in decode(model, oracle, PROMPT, config, make_ladder(), generator=generator) for t in new]
 
     assert sample(0) == sample(1)
+
+
+def test_the_ladder_weighs_trees_at_the_batch_size_and_large_batches_go_plain():
+    """A batch's step with a tree costs more rows than with plain steps: measured per batch size (calibrate), the
+    one-row latency scaled by it, linear between batch sizes, flat beyond."""
+    batch_latency = (tuple(1 + 0.05 * n for n in SIZES), tuple(2 + 0.6 * n for n in SIZES))  # batches of 1 and 8
+    base = make_ladder()
+    ladder = Ladder(base.trees, base.expected_tokens, base.contexts, base.latency_s, (1, 8), batch_latency)
+    assert ladder.latency(100, 1) == pytest.approx(base.latency(100))
+    assert ladder.latency(100, 8) == pytest.approx(batch_latency[1])
+    assert ladder.latency(100, 16) == pytest.approx(batch_latency[1])
+    assert ladder.latency(100, 4.5) == pytest.approx([(a + b) / 2 for a, b in zip(*batch_latency)])
+    alone, crowded = opened(ladder), opened(ladder)
+    assert alone.choose(100, 1)[0] is ladder.tree  # 1 + 0.3 n tokens for 1 + 0.05 n: the largest tree
+    assert crowded.choose(100, 8)[0] is ladder.trees[0]  # for 2 + 0.6 n in a batch of 8: plain steps
+    with pytest.raises(ValueError, match="batch"):
+        Ladder(base.trees, base.expected_tokens, base.contexts, base.latency_s, (1, 8), batch_latency[:1])

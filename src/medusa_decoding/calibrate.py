@@ -379,23 +379,30 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     """`--tree auto`: the trees fitted to these heads, this model and this device, from the heads' calibration
     (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time.
 
-    The calibration's own latency fit where it was measured on this very setup; else one fitted now (seconds of
-    latency measurement) and cached under cache_root()/trees, keyed by model, heads, setup, the kernels' code and
-    what is measured.
+    The calibration's own latency fit where it was measured on this very setup (with the batch latency of its
+    trees measured now where it predates that); else one fitted now (seconds of latency measurement); either cached
+    under cache_root()/trees, keyed by model, heads, setup, the kernels' code and what is measured.
     """
-    here = setup(medusa)
-    if calibration.setup == here and calibration.fit is not None:
-        return ladder(calibration.accuracy, **calibration.fit)
+    here, fit = setup(medusa), calibration.fit
+    own = calibration.setup == here and fit is not None  # the calibration measured this very setup
+    if own and "batch_latency_s" in fit:
+        return ladder(calibration.accuracy, **fit)
     vocab = calibration.guess_vocab
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
             None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts,
-            config.batch_sizes]  # all the fit depends on
+            config.batch_sizes, own]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():
         return ladder(calibration.accuracy, **{name: json.loads(cached.read_text())[name] for name in FIT})
     print(f"tree auto: fitting the trees to {here} (once; cached in {cached.parent})", file=sys.stderr)
-    fitted = fit_tree(medusa, calibration.accuracy, config)
+    if own:  # a calibration from before batches were timed: its fit, and the batch latency of its ladder
+        fitted = replace(choose_tree(calibration.accuracy, fit["sizes"], fit["contexts"], fit["latency_s"]),
+                         size=fit["size"])
+        fitted = replace(fitted, batch_sizes=list(config.batch_sizes),
+                         batch_latency_s=measure_batch_latency(medusa, list(fitted.ladder().trees), config))
+    else:
+        fitted = fit_tree(medusa, calibration.accuracy, config)
     cached.parent.mkdir(parents=True, exist_ok=True)
     record = {"tree": [list(p) for p in fitted.tree_paths], "setup": here, "model": medusa.model.name_or_path,
               "heads": str(heads_dir), "tokens_per_s": fitted.tokens_per_s, **{name: getattr(fitted, name) for name in FIT}}

@@ -86,6 +86,11 @@ def run(url: str, prompts: list[str], clients: int, per_client: int, config: Gen
     return done, time.perf_counter() - start
 
 
+def counters(engine: Engine) -> tuple[int, int, int]:
+    """The engine's forward passes, rows stepped and candidates verified so far (what its trees were)."""
+    return engine.forward_passes, engine.row_steps, engine.candidates
+
+
 def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values or [0.0])[0]
 
@@ -120,12 +125,16 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
         for clients in concurrency:
             for mode in ("one-at-a-time", "plain", "medusa"):  # the reference answers first
                 engine.max_batch = 1 if mode == "one-at-a-time" else clients
+                before = counters(engine)
                 results, wall = run(url, prompts, clients, per_client, config, mode == "plain", seconds)
+                passes, row_steps, candidates = (b - a for a, b in zip(before, counters(engine)))
                 mixed = 0
                 for r in results:
                     if not r.error:
                         mixed += answers.setdefault(r.prompt, r.text) != r.text
-                rows.append({"clients": clients, "mode": mode, **summarize(results, wall), "wrong_answers": mixed})
+                steps = passes - sum(1 for r in results if not r.error)  # less the prefills
+                rows.append({"clients": clients, "mode": mode, **summarize(results, wall), "wrong_answers": mixed,
+                             "mean_batch": row_steps / max(steps, 1), "mean_candidates": candidates / max(row_steps, 1)})
                 if progress:
                     print(line(rows[-1]), flush=True)
     for row in rows:
@@ -138,17 +147,19 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
 def line(row: dict) -> str:
     return (f"{row['clients']:>7} {row['mode']:<14} {row['tokens_per_s']:>8.1f} {row['first_token_s']['p50']:>7.2f} "
             f"{row['first_token_s']['p99']:>7.2f} {row['latency_s']['p50']:>7.2f} {row['latency_s']['p99']:>7.2f} "
-            f"{row['requests']:>5} {row['errors']:>4} {row['wrong_answers']:>5}")
+            f"{row['requests']:>5} {row['errors']:>4} {row['wrong_answers']:>5} {row['mean_batch']:>6.1f} "
+            f"{row['mean_candidates']:>6.2f}")
 
 
 HEADER = (f"{'clients':>7} {'mode':<14} {'tok/s':>8} {'ttft50':>7} {'ttft99':>7} {'lat50':>7} {'lat99':>7} "
-          f"{'reqs':>5} {'err':>4} {'wrong':>5}")
+          f"{'reqs':>5} {'err':>4} {'wrong':>5} {'batch':>6} {'cands':>6}")
 
 
 def table(report: dict) -> str:
     rows = [HEADER] + [line(row) + f"  {row['speedup_vs_one_at_a_time']:.2f}x" for row in report["rows"]]
-    return "\n".join(rows) + "\n(ttft: time to first token, lat: request latency, seconds; x: tokens/s against " \
-                             "one request at a time with the same clients)"
+    return "\n".join(rows) + ("\n(ttft: time to first token, lat: request latency, seconds; batch: rows per step; "
+                             "cands: candidates a row verified per step, the trees the guards chose; x: tokens/s "
+                             "against one request at a time with the same clients)")
 
 
 def plot(report: dict, path) -> None:

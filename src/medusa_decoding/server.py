@@ -221,7 +221,7 @@ class Engine:
         self.running = 0  # rows in the batch, by the worker
         self.started = self.closed = False
         self.submitted = self.rejected = 0  # by the event loop
-        self.finished = self.cancelled = self.forward_passes = 0  # by the worker
+        self.finished = self.cancelled = self.forward_passes = self.row_steps = self.candidates = 0  # by the worker
 
     def load(self, load: Callable[[], MedusaModel]) -> MedusaModel:
         return self.worker.submit(load).result()
@@ -276,7 +276,7 @@ class Engine:
                 job = jobs.pop(key)
                 self.end(job, Finished(job.out, "cancelled"))
             try:
-                events += running.step() if jobs else []
+                stepped = running.step() if jobs else []
             except Exception as error:  # a failed pass fails its rows (their cache is half written); the worker serves on
                 for job in jobs.values():
                     self.end(job, error)
@@ -284,7 +284,9 @@ class Engine:
                 running = None
                 continue
             self.forward_passes += 1 if jobs else 0
-            for key, step, done in events:
+            self.row_steps += len(stepped)  # with candidates: the batch's size and the trees its rows verified
+            self.candidates += sum(step.tree_size for _, step, _ in stepped)
+            for key, step, done in events + stepped:
                 job = jobs[key] if not done else jobs.pop(key)
                 record(job.out, step)
                 if piece := job.pieces.add(step.text, done):
@@ -460,7 +462,9 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
             "queued": len(engine.waiting),
             "rejected": engine.rejected,
             "cancelled": engine.cancelled,
-            "forward_passes": engine.forward_passes,
+            "forward_passes": engine.forward_passes,  # prefills and steps
+            "row_steps": engine.row_steps,  # rows in each step, summed
+            "candidates": engine.candidates,  # candidates the rows verified, summed
         }
 
     @app.exception_handler(RequestError)
