@@ -28,9 +28,7 @@ class PreallocatedLayer(DynamicLayer):
         # key_states, value_states: [B, kv_heads, T, head_dim] -> all keys and values so far [B, kv_heads, S, head_dim]
         rows, width = key_states.shape[0], (self.keys.shape[-2] if self.is_initialized else 0)
         if not self.is_initialized:
-            self.dtype, self.device, self.is_initialized = key_states.dtype, key_states.device, True
-            self.keys = self.values = key_states[:, :, :0]
-            self.grow(rows, self.capacity)
+            self.begin(key_states, value_states, rows)
         end = width + key_states.shape[-2]
         assert rows == self.keys.shape[0] and end <= self.capacity, f"KV cache: {rows} x {end} written, " \
             f"{self.keys.shape[0]} x {self.capacity} allocated"  # the decoding loop reserves what a step needs
@@ -38,6 +36,12 @@ class PreallocatedLayer(DynamicLayer):
         self.value_buffer[:rows, :, width:end] = value_states
         self.view(rows, end)
         return self.keys, self.values
+
+    def begin(self, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
+        """Buffers for `slots` rows shaped and typed like keys, values [B, kv_heads, T, head_dim], no entry yet."""
+        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
+        self.keys, self.values = keys[:, :, :0], values[:, :, :0]
+        self.grow(slots, self.capacity)
 
     def grow(self, slots: int, capacity: int) -> None:
         """Buffers of at least `slots` rows and `capacity` positions, the entries so far copied over."""
@@ -69,10 +73,12 @@ def width(cache: Cache) -> int:
 
 def reserve(cache: Cache, rows: int, columns: int) -> None:
     """Room for `rows` rows of `columns` positions: buffers too small grow (at least doubling: rarely)."""
+    first = cache.layers[0]  # every layer's buffers have the same size
+    if not first.is_initialized or (rows <= first.slots and columns <= first.capacity):  # every step: one check
+        return
     for layer in cache.layers:
-        if layer.is_initialized:
-            layer.grow(max(rows, 2 * layer.slots if rows > layer.slots else 0),
-                       max(columns, 2 * layer.capacity if columns > layer.capacity else 0))
+        layer.grow(max(rows, 2 * layer.slots if rows > layer.slots else 0),
+                   max(columns, 2 * layer.capacity if columns > layer.capacity else 0))
 
 
 def insert(cache: Cache, row: Cache, capacity: int) -> None:
@@ -81,9 +87,8 @@ def insert(cache: Cache, row: Cache, capacity: int) -> None:
     wide = max(width(cache), length)
     for layer, new in zip(cache.layers, row.layers):
         if not layer.is_initialized:
-            layer.dtype, layer.device, layer.is_initialized = new.dtype, new.device, True
-            layer.keys, layer.values = new.keys[:0, :, :0], new.values[:0, :, :0]
-            layer.grow(1, capacity)
+            layer.capacity = capacity
+            layer.begin(new.keys, new.values, 1)
     reserve(cache, rows + 1, capacity)
     for layer, new in zip(cache.layers, row.layers):
         layer.key_buffer[rows, :, :length], layer.value_buffer[rows, :, :length] = new.keys[0], new.values[0]
@@ -98,11 +103,12 @@ def commit(cache: Cache, start: int, lengths: list[int], paths: list[list[int]])
     moves = [(b, length + i, start + node) for b, (length, path) in enumerate(zip(lengths, paths))
              for i, node in enumerate(path) if length + i != start + node]
     wide = max(length + len(path) for length, path in zip(lengths, paths)) if paths else 0
-    rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves)) if moves else (None,) * 3
-    for layer in cache.layers:
-        for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
-            if moves:
+    if moves:
+        rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves))
+        for layer in cache.layers:
+            for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
                 buffer[rows, :, to] = buffer[rows, :, source]
+    for layer in cache.layers:
         layer.view(len(lengths), wide)
 
 

@@ -310,6 +310,11 @@ def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS)
     latency of the trees the guard may pick against the batch size."""
     sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
     fitted = choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
+    return with_batch_latency(medusa, fitted, config)
+
+
+def with_batch_latency(medusa, fitted: Calibration, config: CalibrateConfig = DEFAULTS) -> Calibration:
+    """The fit, with the step latency of its ladder's trees against the batch size."""
     batches = measure_batch_latency(medusa, list(fitted.ladder().trees), config)
     return replace(fitted, batch_sizes=list(config.batch_sizes), batch_latency_s=batches)
 
@@ -399,8 +404,7 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     if own:  # a calibration from before batches were timed: its fit, and the batch latency of its ladder
         fitted = replace(choose_tree(calibration.accuracy, fit["sizes"], fit["contexts"], fit["latency_s"]),
                          size=fit["size"])
-        fitted = replace(fitted, batch_sizes=list(config.batch_sizes),
-                         batch_latency_s=measure_batch_latency(medusa, list(fitted.ladder().trees), config))
+        fitted = with_batch_latency(medusa, fitted, config)
     else:
         fitted = fit_tree(medusa, calibration.accuracy, config)
     cached.parent.mkdir(parents=True, exist_ok=True)

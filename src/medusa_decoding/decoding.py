@@ -171,23 +171,23 @@ class Batch:
         row, in the order of `rows` before the step."""
         start_time = time.perf_counter()
         rows, start = list(self.rows), kv.width(self.cache)
+        lengths = [row.length for row in rows]
         with torch.inference_mode():
             plans = [self.plan(row) for row in rows]
             nodes = max(plan.tree.num_nodes for plan in plans)
             device = plans[0].tokens.device
             tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)  # [B, T], padding 0
-            positions = torch.tensor([row.length for row in rows], device=device)[:, None].repeat(1, nodes)
+            positions = torch.tensor(lengths, device=device)[:, None].repeat(1, nodes)
             for b, plan in enumerate(plans):
                 tokens[b, : plan.tree.num_nodes] = plan.tokens
                 positions[b, : plan.tree.num_nodes] += plan.tree.depths.to(device)
-            mask = step_mask([plan.tree for plan in plans], [row.length for row in rows], start, nodes, self.model.dtype,
-                             device)
+            mask = step_mask([plan.tree for plan in plans], lengths, start, nodes, self.model.dtype, device)
             kv.reserve(self.cache, len(rows), start + nodes)
             logits, hidden = forward(self.model, tokens, self.cache, position_ids=positions, attention_mask=mask)
             accepted = [RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree, row.config,
                                                row.generator) for b, (row, plan) in enumerate(zip(rows, plans))]
             paths = [path.tolist() for path, _ in accepted]
-            kv.commit(self.cache, start, [row.length for row in rows], paths)
+            kv.commit(self.cache, start, lengths, paths)
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):

@@ -216,7 +216,7 @@ class MedusaModel:
         running = Running(self)
         events = running.add(0, ids, config)
         while events:
-            (_, step, _), = events
+            (_, step), = events
             if streamer is not None:
                 streamer.put(torch.tensor(step.tokens))
             yield step
@@ -258,8 +258,7 @@ class MedusaModel:
             while waiting and len(running) < max_batch:
                 events += running.add(*waiting.pop(), config)
             events += running.step() if running else []
-            for index, step, _ in events:
-                yield index, step
+            yield from events
 
     def stream(self, prompt=None, *, messages=None, raw=False, config=None, max_batch: int = ServerConfig.max_batch,
                **overrides) -> Iterator:
@@ -281,7 +280,8 @@ class MedusaModel:
 class Running:
     """Requests decoded together, as text: a Batch whose rows carry their answers so far. Each request joins with
     `add` (its prefill) and leaves when done: EOS, its token budget, or a stop string (cut where the string starts,
-    the token that completes it kept). `add` and `step` return (key, Step, finished) per request that moved."""
+    the token that completes it kept). `add` and `step` return (key, Step) per request that moved; `Step.done`: its
+    last."""
 
     def __init__(self, medusa: MedusaModel):
         self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads)
@@ -291,14 +291,14 @@ class Running:
         return len(self.requests)
 
     def add(self, key, ids: torch.Tensor, config: GenerationConfig, model: MedusaModel | None = None
-            ) -> list[tuple[object, Step, bool]]:
+            ) -> list[tuple[object, Step]]:
         """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
         model = model or self.medusa
         row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config))
         self.requests[row] = (key, config, [])
         return [self.advance(row, [row.root], 0)]
 
-    def step(self) -> list[tuple[object, Step, bool]]:
+    def step(self) -> list[tuple[object, Step]]:
         """One forward pass for every request running."""
         return [self.advance(row, new, size) for row, new, size in self.batch.step()] if self.batch.rows else []
 
@@ -307,7 +307,7 @@ class Running:
         row = next(row for row, request in self.requests.items() if request[0] == key)
         self.finish(row)
 
-    def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step, bool]:
+    def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step]:
         key, config, generated = self.requests[row]
         start = len(generated)
         generated += new
@@ -321,7 +321,7 @@ class Running:
         done = stop_at is not None or row.done
         if done:
             self.finish(row)
-        return key, Step(new, text, tree_size, done), done
+        return key, Step(new, text, tree_size, done)
 
     def finish(self, row: Row) -> None:
         del self.requests[row]

@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from .config import GenerationConfig, ServerConfig
 from .decoding import check_context
-from .model import GenerationOutput, MedusaModel, Running, Step, TextPieces, first_stop, record
+from .model import GenerationOutput, MedusaModel, Running, TextPieces, first_stop, record
 from .tree import Tree
 
 # request field -> GenerationConfig field; the later of two aliases wins
@@ -191,7 +191,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then Finished or an error
     cancelled: threading.Event = field(default_factory=threading.Event)
     out: GenerationOutput = field(default_factory=GenerationOutput)  # what the worker produced so far
-    pieces: TextPieces = None  # what of its text was sent
+    pieces: TextPieces = field(init=False)  # what of its text was sent
     start: float = 0.0  # when its prefill began
 
     def __post_init__(self):
@@ -285,13 +285,13 @@ class Engine:
                 continue
             self.forward_passes += 1 if jobs else 0
             self.row_steps += len(stepped)  # with candidates: the batch's size and the trees its rows verified
-            self.candidates += sum(step.tree_size for _, step, _ in stepped)
-            for key, step, done in events + stepped:
-                job = jobs[key] if not done else jobs.pop(key)
+            self.candidates += sum(step.tree_size for _, step in stepped)
+            for key, step in events + stepped:
+                job = jobs.pop(key) if step.done else jobs[key]
                 record(job.out, step)
-                if piece := job.pieces.add(step.text, done):
+                if piece := job.pieces.add(step.text, step.done):
                     job.put(piece)
-                if done:
+                if step.done:
                     job.out.seconds = time.perf_counter() - job.start
                     self.end(job, Finished(job.out, finish_reason(job.model, job.out, job.config)))
             self.running = len(jobs)
