@@ -90,6 +90,7 @@ def test_smollm_generates_a_list_of_prompts_as_each_alone(smollm):
         expected = smollm.generate(prompt, config=config)
         assert out.token_ids == expected.token_ids and out.text == expected.text, prompt
     assert "Paris" not in outs[1].text and len(outs[1].token_ids) < 40  # the stop string ended it
+    assert all(0 < out.first_token_seconds < out.seconds and out.tokens_per_s > 0 for out in outs)
     pieces = ["", "", ""]
     for index, piece in smollm.stream(prompts, config=config):
         pieces[index] += piece

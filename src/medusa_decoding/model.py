@@ -236,9 +236,12 @@ class MedusaModel:
         if (many := self.encode_many(prompt, messages=messages, raw=raw)) is not None:
             if streamer is not None:
                 raise ValueError("streamer: one prompt at a time (transformers' streamers take a batch of one)")
-            outputs = [GenerationOutput() for _ in many]
-            for index, step in self.run_batch(many, config, max_batch):
-                record(outputs[index], step)
+            outputs, start = [GenerationOutput() for _ in many], time.perf_counter()
+            for index, step in self.run_batch(many, config, max_batch):  # times from the call (a wait for a row too)
+                out, now = outputs[index], time.perf_counter() - start
+                out.first_token_seconds = out.first_token_seconds or now
+                out.seconds = now if step.done else 0.0
+                record(out, step)
             return outputs
         out, start = GenerationOutput(), time.perf_counter()
         for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
