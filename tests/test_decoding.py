@@ -190,7 +190,7 @@ def test_commit_matches_the_accepted_tokens_run_in_order(family, path):
     with torch.no_grad():
         cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
         verify(model, cache, tokens, tree, len(PROMPT))
-        commit(cache, len(PROMPT), [len(PROMPT)], [path])
+        commit(cache, [len(PROMPT)], [path])
         reference = DynamicCache()
         model.base_model(input_ids=torch.cat([PROMPT, tokens[path]])[None], past_key_values=reference, use_cache=True)
     assert cache.get_seq_length() == reference.get_seq_length() == len(PROMPT) + len(path)

@@ -7,9 +7,10 @@ values are views [B, kv_heads, S, head_dim] of buffers with room for more rows a
 its own tokens.
 
 A batch's rows share the cache's columns: row b holds its own `lengths[b]` entries at columns 0.. (a row's own
-prefix, never another's), and a step writes every row's tree nodes after the longest row, at column S. After a
-verification pass `commit` moves each row's accepted path to sit right after the row's own entries and drops the rest;
-the columns between a shorter row's entries and S are a hole its attention mask hides (decoding.step_mask).
+prefix, never another's), and a step writes row b's tree node i at column lengths[b] + i, right after the row's own
+entries (`place`), so a plain step's token is where it stays. After a verification pass `commit` moves each row's
+accepted path into place and drops the rest; the columns past a row's entries, up to the longest row's, are a hole
+its attention mask hides (decoding.step_mask).
 """
 
 import torch
@@ -23,6 +24,7 @@ class PreallocatedLayer(DynamicLayer):
     def __init__(self, capacity: int):
         super().__init__()
         self.capacity, self.slots = capacity, 0
+        self.placed: tuple | None = None  # `place`'s index: (rows [B, 1], every head, columns [B, T])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, kv_heads, T, head_dim] -> all keys and values so far [B, kv_heads, S, head_dim]
@@ -32,8 +34,12 @@ class PreallocatedLayer(DynamicLayer):
         end = width + key_states.shape[-2]
         assert rows == self.keys.shape[0] and end <= self.capacity, f"KV cache: {rows} x {end} written, " \
             f"{self.keys.shape[0]} x {self.capacity} allocated"  # the decoding loop reserves what a step needs
-        self.key_buffer[:rows, :, width:end] = key_states
-        self.value_buffer[:rows, :, width:end] = value_states
+        if self.placed is None:
+            self.key_buffer[:rows, :, width:end] = key_states
+            self.value_buffer[:rows, :, width:end] = value_states
+        else:  # indexed on dims 0 and 2, the buffers take [B, T, kv_heads, head_dim]
+            self.key_buffer[self.placed] = key_states.transpose(1, 2)
+            self.value_buffer[self.placed] = value_states.transpose(1, 2)
         self.view(rows, end)
         return self.keys, self.values
 
@@ -95,13 +101,24 @@ def insert(cache: Cache, row: Cache, capacity: int) -> None:
         layer.view(rows + 1, wide)
 
 
-def commit(cache: Cache, start: int, lengths: list[int], paths: list[list[int]]) -> None:
-    """After a pass that wrote every row's nodes from column `start`: row b keeps the nodes `paths[b]` (node indices,
-    root first) right after its own `lengths[b]` entries; the cache is then as wide as the longest row."""
-    # node i of row b sits at start + i: a path's leading 0, 1, 2, ... of a row as long as `start` (every row of a
-    # batch of one) are in place already, and only the rest move (a plain step's [0] moves nothing)
-    moves = [(b, length + i, start + node) for b, (length, path) in enumerate(zip(lengths, paths))
-             for i, node in enumerate(path) if length + i != start + node]
+def place(cache: Cache, lengths: list[int], tokens: int) -> None:
+    """The next pass writes row b's `tokens` tokens at columns lengths[b].. (right after the row's own entries),
+    where by default they go after the longest row's: the same where every row is as long (a batch of one)."""
+    if len(set(lengths)) > 1:
+        device = cache.layers[0].device
+        placed = (torch.arange(len(lengths), device=device)[:, None], slice(None),
+                  torch.tensor(lengths, device=device)[:, None] + torch.arange(tokens, device=device))
+        for layer in cache.layers:
+            layer.placed = placed
+
+
+def commit(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
+    """After a pass that wrote row b's node i at column lengths[b] + i: row b keeps the nodes `paths[b]` (node
+    indices, root first) right after its own entries; the cache is then as wide as the longest row, and the next pass
+    writes after it unless placed again."""
+    # a path's leading 0, 1, 2, ... are in place already, and only the rest move (a plain step's [0] moves nothing)
+    moves = [(b, length + i, length + node) for b, (length, path) in enumerate(zip(lengths, paths))
+             for i, node in enumerate(path) if i != node]
     wide = max(length + len(path) for length, path in zip(lengths, paths)) if paths else 0
     if moves:
         rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves))
@@ -110,6 +127,7 @@ def commit(cache: Cache, start: int, lengths: list[int], paths: list[list[int]])
                 buffer[rows, :, to] = buffer[rows, :, source]
     for layer in cache.layers:
         layer.view(len(lengths), wide)
+        layer.placed = None
 
 
 def remove(cache: Cache, index: int, wide: int) -> None:

@@ -231,7 +231,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
         tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, tree, device)])
         logits, _ = verify(model, cache, tokens, tree, prefix_len)
         path, _ = greedy(tokens, logits, tree, greedy_config)
-        kv.commit(cache, prefix_len, [prefix_len], [path.tolist()])
+        kv.commit(cache, [prefix_len], [path.tolist()])
 
     table = []
     with torch.inference_mode():
@@ -246,7 +246,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
                     step(cache, hidden, root, tree, prefix_len)
                     synchronize(device)
                     timed.append(time.perf_counter() - start)
-                    kv.commit(cache, prefix_len, [prefix_len], [[]])  # back to the prefix alone (not crop: it changed in 5.23)
+                    kv.commit(cache, [prefix_len], [[]])  # back to the prefix alone (not crop: it changed in 5.23)
             table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
     return contexts, table
 

@@ -44,9 +44,12 @@ def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) 
         )
 
 
-def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, **kw) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], last hidden states [B, T, H])."""
+def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = False, **kw
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], last hidden states [B, T, H]); `last`: only the
+    last position's (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
     hidden = model.base_model(input_ids=tokens, past_key_values=cache, use_cache=True, **kw).last_hidden_state
+    hidden = hidden[:, -1:] if last else hidden
     return model.get_output_embeddings()(hidden), hidden
 
 
@@ -57,7 +60,7 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
 def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
     """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and hidden [H] at the last position)."""
     cache = kv.allocate(model, capacity)
-    logits, hidden = forward(model, prompt[None], cache)
+    logits, hidden = forward(model, prompt[None], cache, last=True)
     return cache, logits[0, -1], hidden[0, -1]
 
 
@@ -74,14 +77,15 @@ def propose(guesses: torch.Tensor | None, tree: Tree, device) -> torch.Tensor:
 
 
 def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:
-    """[B, 1, nodes, start+nodes] additive mask of one step whose nodes sit from column `start`: row b's node i sees
-    the row's own lengths[b] entries (not the hole up to `start` where another row is longer) and its ancestors in
-    the row's tree; the padding nodes after a smaller tree see themselves only."""
+    """[B, 1, nodes, start+nodes] additive mask of one step whose row b has lengths[b] entries and its nodes at
+    columns lengths[b].. (cache.place; `start`: the longest row's length): a node sees its row's own entries and its
+    ancestors in the row's tree, never the hole past a shorter row; the padding nodes after a smaller tree see
+    themselves only."""
     seen = torch.zeros(len(trees), nodes, start + nodes, dtype=torch.bool)
-    seen[:, :, :start] = (torch.arange(start) < torch.tensor(lengths)[:, None])[:, None]
-    seen[:, :, start:] = torch.eye(nodes, dtype=torch.bool)
-    for row, tree in enumerate(trees):
-        seen[row, : tree.num_nodes, start : start + tree.num_nodes] = tree.attention
+    for row, (tree, length) in enumerate(zip(trees, lengths)):
+        seen[row, :, :length] = True
+        seen[row, :, length : length + nodes] = torch.eye(nodes, dtype=torch.bool)
+        seen[row, : tree.num_nodes, length : length + tree.num_nodes] = tree.attention
     mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
     return mask[:, None].to(device)
 
@@ -183,11 +187,12 @@ class Batch:
                 positions[b, : plan.tree.num_nodes] += plan.tree.depths.to(device)
             mask = step_mask([plan.tree for plan in plans], lengths, start, nodes, self.model.dtype, device)
             kv.reserve(self.cache, len(rows), start + nodes)
+            kv.place(self.cache, lengths, nodes)
             logits, hidden = forward(self.model, tokens, self.cache, position_ids=positions, attention_mask=mask)
             accepted = [RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree, row.config,
                                                row.generator) for b, (row, plan) in enumerate(zip(rows, plans))]
             paths = [path.tolist() for path, _ in accepted]
-            kv.commit(self.cache, start, lengths, paths)
+            kv.commit(self.cache, lengths, paths)
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
