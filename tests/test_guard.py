@@ -13,7 +13,7 @@ from medusa_decoding import decoding
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, decode
-from medusa_decoding.guard import EXPLORE_EVERY, OPENING, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder, yields
+from medusa_decoding.guard import EXPLORE_EVERY, OPENING, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder, pooled, yields
 from medusa_decoding.tree import Tree, build
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -55,8 +55,8 @@ def calibrated_clock(monkeypatch):
     clock = SimpleNamespace(now=0.0, step=0.0)
     choose = Guard.choose
 
-    def timed_choose(guard, context, batch=1):
-        picked = choose(guard, context, batch)
+    def timed_choose(guard, context, batch=1, pooled=None):
+        picked = choose(guard, context, batch, pooled)
         clock.step = guard.ladder.latency(context)[guard.choice]
         return picked
 
@@ -149,8 +149,8 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
     guess, choose, guessed, chosen, guards = decoding.guess, Guard.choose, [], [], set()
     monkeypatch.setattr(decoding, "guess", lambda *args: guessed.append(1) or guess(*args))
-    monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1: guards.add(guard) or chosen.append(choose(guard, context, batch))
-                        or chosen[-1])
+    monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: guards.add(guard)
+                        or chosen.append(choose(guard, context, batch, pooled)) or chosen[-1])
     promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins
     used = sizes_used(model, wrong, promised, reference)
     late = used[len(used) // 2:]
@@ -279,3 +279,20 @@ def test_the_ladder_weighs_trees_at_the_batch_size_and_large_batches_go_plain():
     assert crowded.choose(100, 8)[0] is ladder.trees[0]  # for 2 + 0.6 n in a batch of 8: plain steps
     with pytest.raises(ValueError, match="batch"):
         Ladder(base.trees, base.expected_tokens, base.contexts, base.latency_s, (1, 8), batch_latency[:1])
+
+
+def test_a_batch_picks_one_tree_for_its_rows_from_their_mean_yields():
+    """A batch's step is padded to its largest tree, so one row's tree costs every row: the rows under one ladder
+    weigh the trees by their mean yield and all take the same one, which may be neither row's own pick."""
+    batch_latency = (tuple(1 + 0.05 * n for n in SIZES), tuple(2 + 0.6 * n for n in SIZES))  # batches of 1 and 8
+    base = make_ladder()
+    ladder = Ladder(base.trees, base.expected_tokens, base.contexts, base.latency_s, (1, 8), batch_latency)
+    good, bad, fixed = opened(ladder), opened(ladder), Guard(Ladder.fixed(ladder.tree), root=0)
+    good.tokens, bad.tokens = [1 + 0.5 * n for n in SIZES], [1.0] * len(SIZES)  # 1 + 0.25 a node between them
+    assert pooled([good]) == [None] and pooled([fixed, good]) == [None, None]  # alone on its ladder: its own pick
+    shared = pooled([good, fixed, bad])
+    assert shared[0] == shared[2] == pytest.approx([1 + 0.25 * n for n in SIZES]) and shared[1] is None
+    assert good.choose(100, 2)[0] is ladder.tree and bad.choose(100, 2)[0] is ladder.trees[0]  # alone
+    assert good.choose(100, 2, shared[0])[0] is bad.choose(100, 2, shared[2])[0] is ladder.tree  # together
+    assert good.choose(100, 8)[0] is ladder.tree  # (1 + 0.5 n) / (2 + 0.6 n): its own yields pay at 8 rows ...
+    assert good.choose(100, 8, shared[0])[0] is bad.choose(100, 8, shared[2])[0] is ladder.trees[0]  # the mean not

@@ -123,8 +123,8 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     if verifier.endswith("sampled tokens"):
         trees = (PLAIN, Tree.from_spec([[0]]), Tree.from_spec([[0], [1]]), tree)  # each holding the ones before
         tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
-        monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1: (trees[guard.generated[-1] % len(trees)],
-                                                                     guard.watched))
+        monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: (
+            trees[guard.generated[-1] % len(trees)], guard.watched))
     counts = draw(model, heads, config, tree)
     p_value = goodness_of_fit(counts, exact_joint(model, **filters))
     if verifier.startswith("engine"):

@@ -18,7 +18,7 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
-from .guard import Guard, Ladder
+from .guard import Guard, Ladder, pooled
 from .heads import MedusaHeads
 from .kernels import guess_projection
 from .tree import Tree, build
@@ -160,9 +160,10 @@ class Batch:
                 self.rows.append(row)
         return row
 
-    def plan(self, row: Row) -> Plan:
-        """Propose: the row's tree for this step (its guard weighs it at this batch's size) and its candidates."""
-        tree, guessing = row.guard.choose(row.length, len(self.rows))  # guessing: (top_k, depth) of the guesses, or None
+    def plan(self, row: Row, pooled: list[float] | None) -> Plan:
+        """Propose: the row's tree for this step (its guard weighs it at this batch's size, with the batch's mean
+        yields `pooled`) and its candidates."""
+        tree, guessing = row.guard.choose(row.length, len(self.rows), pooled)  # guessing: (top_k, depth), or None
         step_tree = tree.truncated(row.config.max_new_tokens - row.produced - 1)  # never guess past the budget
         guesses = guess(self.heads, self.lm_head, row.hidden, *guessing) if guessing else None
         device = row.hidden.device
@@ -177,7 +178,7 @@ class Batch:
         rows, start = list(self.rows), kv.width(self.cache)
         lengths = [row.length for row in rows]
         with torch.inference_mode():
-            plans = [self.plan(row) for row in rows]
+            plans = [self.plan(row, mean) for row, mean in zip(rows, pooled([row.guard for row in rows]))]
             nodes = max(plan.tree.num_nodes for plan in plans)
             device = plans[0].tokens.device
             tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)  # [B, T], padding 0

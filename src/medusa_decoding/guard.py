@@ -24,10 +24,11 @@ picks the tree with the most expected tokens per second.
   running; and while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that
   the baseline they must beat is timed in this very request.
 
-In a batch (decoding.Batch) the rows share each forward pass: a row's guard weighs every tree at the latency of a
-step of the whole batch with that tree (calibrate times steps at several batch sizes), so as the batch grows
-speculation has to pay for more rows and the guards move to smaller trees, down to plain steps. Steps of a batch are
-not timed (their time is every row's).
+In a batch (decoding.Batch) the rows share each forward pass, padded to its largest tree: one row's tree costs every
+row its size, so a tree pays for the whole batch or for none of its rows. The rows under one ladder pick together
+(`pooled`): their mean yields against the latency of a step of the whole batch with each tree (calibrate times steps
+at several batch sizes), so as the batch grows speculation has to pay for more rows and the batch moves to smaller
+trees, down to plain steps. Steps of a batch are not timed (their time is every row's).
 
 Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
 reproducible to a few percent from run to run, and a few steps' yields are noisy.
@@ -143,9 +144,11 @@ class Guard:
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
         self.opening = OPENING + self.depth  # ... yields pick its first tree (a step's are known `depth` steps later)
 
-    def choose(self, context: int, batch: int = 1) -> tuple[Tree, tuple[int, int] | None]:
+    def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None
+               ) -> tuple[Tree, tuple[int, int] | None]:
         """The tree of the next step at `context` tokens in a batch of `batch` rows, and what the heads guess in it:
-        (top_k, depth), enough for every tree of the ladder, or None (a plain step that does not probe)."""
+        (top_k, depth), enough for every tree of the ladder, or None (a plain step that does not probe). pooled: the
+        batch's mean yields per tree (`pooled`), which every row of the batch then follows as they stand."""
         if not self.watching:
             tree = self.ladder.tree
             return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
@@ -153,18 +156,23 @@ class Guard:
             self.plain_steps += 1
             return self.ladder.trees[0], self.watched
         latency = self.ladder.latency(context, batch)
-        seen = self.time_factor[self.choice] or 1.0  # trees not timed yet: their calibrated latency ratio
-        speed = [tokens / ((factor or seen) * seconds)
-                 for tokens, factor, seconds in zip(self.tokens, self.time_factor, latency)]
+        if pooled is not None:  # the batch's calibrated step times: a row's own timings were taken alone
+            speed = [tokens / seconds for tokens, seconds in zip(pooled, latency)]
+        else:
+            seen = self.time_factor[self.choice] or 1.0  # trees not timed yet: their calibrated latency ratio
+            speed = [tokens / ((factor or seen) * seconds)
+                     for tokens, factor, seconds in zip(self.tokens, self.time_factor, latency)]
         best = max(range(len(speed)), key=speed.__getitem__)
-        if speed[best] > SWITCH_MARGIN * speed[self.choice]:  # noise in the estimates must not flip trees
+        # noise in the estimates must not flip trees; a batch's rows follow its pick as one, or pad to another's tree
+        if pooled is not None or speed[best] > SWITCH_MARGIN * speed[self.choice]:
             self.choice = best
         tree = self.ladder.trees[self.choice]
         if tree.num_nodes == 1:
             self.plain_steps += 1
             return tree, self.watched if self.plain_steps % PROBE_EVERY == 0 else None
         self.tree_steps += 1
-        if self.explores and self.tree_steps % EXPLORE_EVERY == 0 and speed[self.choice] < EXPLORE_BELOW * speed[0]:
+        if (self.explores and batch == 1 and self.tree_steps % EXPLORE_EVERY == 0
+                and speed[self.choice] < EXPLORE_BELOW * speed[0]):
             self.choice = 0  # plain is within reach: time it (no guesses in it)
             return self.ladder.trees[0], None
         return tree, self.watched
@@ -203,6 +211,18 @@ class Guard:
         for j, factor in enumerate(factors):
             if j != i and factor is not None:
                 factors[j] = factor + FADING * (factors[i] - factor)
+
+
+def pooled(guards: list[Guard]) -> list[list[float] | None]:
+    """Per guard, the mean tokens per step of each tree over the watching guards of its batch under the same ladder
+    (None: a fixed ladder, or alone on its ladder): what the batch's step yields per row with that tree."""
+    groups: dict[int, list[Guard]] = {}
+    for guard in guards:
+        if guard.watching:
+            groups.setdefault(id(guard.ladder), []).append(guard)
+    means = {key: [sum(column) / len(group) for column in zip(*(guard.tokens for guard in group))]
+             for key, group in groups.items() if len(group) > 1}
+    return [means.get(id(guard.ladder)) if guard.watching else None for guard in guards]
 
 
 def yields(guesses: list[list[int]], tokens: list[int], first: dict[tuple[int, ...], int], trees: int) -> list[int]:
