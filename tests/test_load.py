@@ -15,12 +15,13 @@ def test_every_mode_serves_every_request_with_the_same_answers(smollm, tmp_path)
     trees, smollm.tree = smollm.trees, smollm.tree
     try:
         report = load.load_benchmark(lambda: smollm, PROMPTS, (1, 3), 1, GenerationConfig(max_new_tokens=8), 60,
-                                     progress=False)
+                                     progress=False, repeat=2)
     finally:
         smollm.trees = trees
     rows = report["rows"]
     assert [(r["clients"], r["mode"]) for r in rows] == [(n, m) for n in (1, 3) for m in ("one-at-a-time", "plain", "medusa")]
     assert all(r["requests"] == r["clients"] and r["errors"] == 0 and r["wrong_answers"] == 0 for r in rows)
+    assert all(r["runs"] == 2 for r in rows) and report["config"]["repeat"] == 2  # the fastest of two runs each
     assert all(r["tokens"] == 8 * r["clients"] and r["tokens_per_s"] > 0 for r in rows)
     assert [r["mean_candidates"] == 0 for r in rows if r["mode"] == "plain"] == [True, True]
     assert max(r["mean_batch"] for r in rows if r["clients"] == 3 and r["mode"] != "one-at-a-time") > 1
@@ -34,3 +35,5 @@ def test_the_load_benchmark_refuses_sampling_and_bad_counts(smollm):
         load.load_benchmark(lambda: smollm, PROMPTS, (1,), 1, GenerationConfig(temperature=0.7), 60)
     with pytest.raises(ValueError, match="positive"):
         load.load_benchmark(lambda: smollm, PROMPTS, (0,), 1, GenerationConfig(), 60)
+    with pytest.raises(ValueError, match="positive"):
+        load.load_benchmark(lambda: smollm, PROMPTS, (1,), 1, GenerationConfig(), 60, repeat=0)

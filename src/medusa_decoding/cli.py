@@ -251,7 +251,7 @@ def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
     except ValueError:
         raise ValueError(f"concurrency: comma-separated client counts, got {args.concurrency!r}") from None
     report = serving.load_benchmark(lambda: load(args), prompts, concurrency, args.requests_per_client, config,
-                                    args.seconds)
+                                    args.seconds, repeat=args.repeat)
     report["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, tree=args.tree,
                             kernels=args.kernels, questions=args.questions)
@@ -417,8 +417,9 @@ def main(argv=None) -> None:
     p.add_argument("--json", help="write the report as JSON here")
     p.add_argument("--plot", help="write a PNG here: tokens/s by category, and tokens per MEDUSA step")
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's; use 1 on a busy, shared CPU)")
-    p.add_argument("--repeat", type=int, default=1, help="run every turn this many times with each decoder and "
-                   "count the fastest (a shared machine's noise only slows runs; --sweep runs once)")
+    p.add_argument("--repeat", type=int, default=1, help="run every turn (with --concurrency: every load) this many "
+                   "times with each decoder and count the fastest (a shared machine's noise only slows runs; --sweep "
+                   "runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
     p.add_argument("--concurrency", metavar="N,N,...",

@@ -5,9 +5,9 @@ a request joins at the next step (its prefill) and leaves when done, cancelled o
 served by one forward pass a step, not one after another. Up to `max_batch` requests run; up to `max_queue` more
 wait, and beyond that a request is answered at once with a 503 (an OpenAI-style error) instead of queueing without
 bound. Each request's text reaches its HTTP response through an asyncio queue, so the event loop never waits on the
-model. A request is checked (fields, tree, prompt length) before it is queued, so a bad one gets an ordinary 400 even
-when it asked for a stream. A client that goes away sets its job's cancel flag: the worker drops its row before the
-next forward pass.
+model (a step's text for every row in one wake-up of the loop). A request is checked (fields, tree, prompt length)
+before it is queued, so a bad one gets an ordinary 400 even when it asked for a stream. A client that goes away sets
+its job's cancel flag: the worker drops its row before the next forward pass.
 
 >>> engine = Engine()
 >>> uvicorn.run(create_app(engine.load(MedusaModel.from_pretrained), "SmolLM2-135M-Instruct", engine))
@@ -197,10 +197,6 @@ class Job:
     def __post_init__(self):
         self.pieces = TextPieces(self.config.stop)
 
-    def put(self, event) -> None:
-        """From the worker thread."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
 
 class Engine:
     """The one thread that touches the model, and the queue of requests waiting for a row of its batch. Counters feed
@@ -222,6 +218,7 @@ class Engine:
         self.started = self.closed = False
         self.submitted = self.rejected = 0  # by the event loop
         self.finished = self.cancelled = self.forward_passes = self.row_steps = self.candidates = 0  # by the worker
+        self.outbox: list[tuple[Job, object]] = []  # the worker's events for the jobs' queues, sent once a step
 
     def load(self, load: Callable[[], MedusaModel]) -> MedusaModel:
         return self.worker.submit(load).result()
@@ -251,6 +248,7 @@ class Engine:
         running: Running | None = None
         jobs: dict[int, Job] = {}  # the batch's rows, by id(job)
         while True:
+            self.send()
             with self.lock:
                 while not self.waiting and not jobs and not self.closed:
                     self.lock.wait()
@@ -290,20 +288,34 @@ class Engine:
                 job = jobs.pop(key) if step.done else jobs[key]
                 record(job.out, step)
                 if piece := job.pieces.add(step.text, step.done):
-                    job.put(piece)
+                    self.outbox.append((job, piece))
                 if step.done:
                     job.out.seconds = time.perf_counter() - job.start
                     self.end(job, Finished(job.out, finish_reason(job.model, job.out, job.config)))
             self.running = len(jobs)
 
+    def send(self) -> None:
+        """The outbox to the jobs' queues, in order: one wake-up of each event loop a step, not one per row."""
+        loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for job, event in self.outbox:
+            loops.setdefault(job.loop, []).append((job.events, event))
+        for loop, events in loops.items():
+            loop.call_soon_threadsafe(put_all, events)
+        self.outbox = []
+
     def end(self, job: Job, event: "Finished | Exception") -> None:
-        job.put(event)
+        self.outbox.append((job, event))
         self.finished += 1
         self.cancelled += isinstance(event, Finished) and event.finish_reason == "cancelled"
 
     def in_flight(self) -> int:
         """Requests running or waiting."""
         return self.submitted - self.finished
+
+
+def put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue, event in events:
+        queue.put_nowait(event)
 
 
 def finish_reason(medusa: MedusaModel, out: GenerationOutput, config: GenerationConfig) -> str:
