@@ -14,7 +14,7 @@ from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, decode
 from medusa_decoding.guard import (EXPLORE_EVERY, OPENING, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder,
-                                   pooled, yields)
+                                   batch_yields, yields)
 from medusa_decoding.tree import Tree, build
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -290,8 +290,8 @@ def test_a_batch_picks_one_tree_for_its_rows_from_their_mean_yields():
     ladder = Ladder(base.trees, base.expected_tokens, base.contexts, base.latency_s, (1, 8), batch_latency)
     good, bad, fixed = opened(ladder), opened(ladder), Guard(Ladder.fixed(ladder.tree), root=0)
     good.tokens, bad.tokens = [1 + 0.5 * n for n in SIZES], [1.0] * len(SIZES)  # 1 + 0.25 a node between them
-    assert pooled([good]) == [None] and pooled([fixed, good]) == [None, None]  # alone on its ladder: its own pick
-    shared = pooled([good, fixed, bad])
+    assert batch_yields([good]) == [None] and batch_yields([fixed, good]) == [None, None]  # alone on its ladder
+    shared = batch_yields([good, fixed, bad])
     assert shared[0] == shared[2] == pytest.approx([1 + 0.25 * n for n in SIZES]) and shared[1] is None
     assert good.choose(100, 2)[0] is ladder.tree and bad.choose(100, 2)[0] is ladder.trees[0]  # alone
     assert good.choose(100, 2, shared[0])[0] is bad.choose(100, 2, shared[2])[0] is ladder.tree  # together

@@ -18,7 +18,7 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
-from .guard import Guard, Ladder, pooled
+from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
 from .kernels import guess_projection
 from .tree import Tree, build
@@ -178,7 +178,7 @@ class Batch:
         rows, start = list(self.rows), kv.width(self.cache)
         lengths = [row.length for row in rows]
         with torch.inference_mode():
-            plans = [self.plan(row, mean) for row, mean in zip(rows, pooled([row.guard for row in rows]))]
+            plans = [self.plan(row, mean) for row, mean in zip(rows, batch_yields([row.guard for row in rows]))]
             nodes = max(plan.tree.num_nodes for plan in plans)
             device = plans[0].tokens.device
             tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)  # [B, T], padding 0

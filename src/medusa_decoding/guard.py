@@ -26,9 +26,9 @@ picks the tree with the most expected tokens per second.
 
 In a batch (decoding.Batch) the rows share each forward pass, padded to its largest tree: one row's tree costs every
 row its size, so a tree pays for the whole batch or for none of its rows. The rows under one ladder pick together
-(`pooled`): their mean yields against the latency of a step of the whole batch with each tree (calibrate times steps
-at several batch sizes), so as the batch grows speculation has to pay for more rows and the batch moves to smaller
-trees, down to plain steps. Steps of a batch are not timed (their time is every row's).
+(`batch_yields`): their mean yields against the latency of a step of the whole batch with each tree (calibrate times
+steps at several batch sizes), so as the batch grows speculation has to pay for more rows and the batch moves to
+smaller trees, down to plain steps. Steps of a batch are not timed (their time is every row's).
 
 Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
 reproducible to a few percent from run to run, and a few steps' yields are noisy.
@@ -148,7 +148,7 @@ class Guard:
                ) -> tuple[Tree, tuple[int, int] | None]:
         """The tree of the next step at `context` tokens in a batch of `batch` rows, and what the heads guess in it:
         (top_k, depth), enough for every tree of the ladder, or None (a plain step that does not probe). pooled: the
-        batch's mean yields per tree (`pooled`), which every row of the batch then follows as they stand."""
+        batch's mean yields per tree (`batch_yields`), which every row of the batch then follows as they stand."""
         if not self.watching:
             tree = self.ladder.tree
             return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
@@ -213,7 +213,7 @@ class Guard:
                 factors[j] = factor + FADING * (factors[i] - factor)
 
 
-def pooled(guards: list[Guard]) -> list[list[float] | None]:
+def batch_yields(guards: list[Guard]) -> list[list[float] | None]:
     """Per guard, the mean tokens per step of each tree over the watching guards of its batch under the same ladder
     (None: a fixed ladder, or alone on its ladder): what the batch's step yields per row with that tree."""
     groups: dict[int, list[Guard]] = {}

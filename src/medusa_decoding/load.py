@@ -129,17 +129,7 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
             best: dict[str, dict] = {}
             for _ in range(repeat):
                 for mode in ("one-at-a-time", "plain", "medusa"):  # the reference answers first
-                    engine.max_batch = 1 if mode == "one-at-a-time" else clients
-                    before = counters(engine)
-                    results, wall = run(url, prompts, clients, per_client, config, mode == "plain", seconds)
-                    passes, row_steps, candidates = (b - a for a, b in zip(before, counters(engine)))
-                    mixed = 0
-                    for r in results:
-                        if not r.error:
-                            mixed += answers.setdefault(r.prompt, r.text) != r.text
-                    steps = passes - sum(1 for r in results if not r.error)  # less the prefills
-                    row = {"clients": clients, "mode": mode, **summarize(results, wall), "wrong_answers": mixed,
-                           "mean_batch": row_steps / max(steps, 1), "mean_candidates": candidates / max(row_steps, 1)}
+                    row = measure(url, engine, prompts, clients, mode, per_client, config, seconds, answers)
                     if progress:
                         print(line(row), flush=True)
                     kept = best.get(mode, {"tokens_per_s": -1.0, "errors": 0, "wrong_answers": 0, "runs": 0})
@@ -152,6 +142,21 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
         row["speedup_vs_one_at_a_time"] = row["tokens_per_s"] / alone["tokens_per_s"] if alone["tokens_per_s"] else 0.0
     return {"config": {**asdict(config), "concurrency": list(concurrency), "requests_per_client": per_client,
                        "seconds": seconds, "prompts": len(prompts), "repeat": repeat}, "rows": rows}
+
+
+def measure(url: str, engine: Engine, prompts: list[str], clients: int, mode: str, per_client: int,
+            config: GenerationConfig, seconds: float, answers: dict[int, str]) -> dict:
+    """One run of `clients` clients in `mode` -> its row; answers: each prompt's first answer, which every later one
+    must equal (a prompt answered for the first time sets it)."""
+    engine.max_batch = 1 if mode == "one-at-a-time" else clients
+    before = counters(engine)
+    results, wall = run(url, prompts, clients, per_client, config, mode == "plain", seconds)
+    passes, row_steps, candidates = (b - a for a, b in zip(before, counters(engine)))
+    ok = [r for r in results if not r.error]
+    mixed = sum(answers.setdefault(r.prompt, r.text) != r.text for r in ok)
+    steps = passes - len(ok)  # less the prefills
+    return {"clients": clients, "mode": mode, **summarize(results, wall), "wrong_answers": mixed,
+            "mean_batch": row_steps / max(steps, 1), "mean_candidates": candidates / max(row_steps, 1)}
 
 
 def line(row: dict) -> str:
