@@ -62,46 +62,41 @@ inline f32x16 exp16(f32x16 x) {
   return y * scale;
 }
 
-// softmax(q k^T * scale) v for the query heads h0 .. h0 + G - 1 of one query, which share kv head g, over the keys at
-// `cols`; C: head_dim / 16 when a multiple of 16 (loads of whole vectors), else 0 (any head_dim, lane by lane).
-// Every head's arithmetic is the same whatever G, T or the columns' places: each key's score, the exponentials 16
-// keys a vector in the order seen, the weighted values key by key.
+// softmax(q k^T * scale) v for one query head over the keys at `cols`; C: head_dim / 16 when a multiple of 16 (loads
+// of whole vectors), else 0 (any head_dim, lane by lane). The arithmetic is the same whatever T or the columns'
+// places: each key's score, the exponentials 16 keys a vector in the order seen, the weighted values key by key.
 template <int C>
-void attend(const float* Q, const float* K, const float* V, float* O, const std::vector<int64_t>& cols, int64_t G,
-            int64_t D, int64_t krow, int64_t vrow, float scale, float* p) {
+void attend(const float* Q, const float* K, const float* V, float* O, const std::vector<int64_t>& cols, int64_t D,
+            int64_t krow, int64_t vrow, float scale, float* p) {
   const int64_t n = cols.size(), chunks = C ? C : (D + LANES - 1) / LANES;
   auto chunk = [&](const float* x, int64_t c) { return C ? load(x + c * LANES) : load(x + c * LANES, std::min(LANES, D - c * LANES)); };
-  for (int64_t h = 0; h < G; h++) {
-    const float* qp = Q + h * D;
-    f32x16 q[MAX_HEAD_DIM / LANES];
-    for (int64_t c = 0; c < chunks; c++) q[c] = chunk(qp, c);
-    float* ph = p + h * (n + LANES);
-    float top = -INFINITY;
-    for (int64_t i = 0; i < n; i++) {
-      const float* kp = K + cols[i] * krow;
-      f32x16 acc = q[0] * chunk(kp, 0);
-      for (int64_t c = 1; c < chunks; c++) acc += q[c] * chunk(kp, c);
-      ph[i] = sum(acc) * scale;
-      top = std::max(top, ph[i]);
-    }
-    f32x16 total = {};
-    const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-    for (int64_t i = 0; i < n; i += LANES) {  // the row is padded: a whole vector is read and written
-      f32x16 e = exp16(load(ph + i) - top);
-      e = lane < float(n - i) ? e : f32x16{};
-      std::memcpy(ph + i, &e, sizeof e);
-      total += e;
-    }
-    const float inverse = n ? 1 / sum(total) : 0;
-    f32x16 out[MAX_HEAD_DIM / LANES] = {};
-    for (int64_t i = 0; i < n; i++) {
-      const float* vp = V + cols[i] * vrow;
-      for (int64_t c = 0; c < chunks; c++) out[c] += ph[i] * chunk(vp, c);
-    }
-    for (int64_t c = 0; c < chunks; c++) {
-      const f32x16 o = out[c] * inverse;
-      std::memcpy(O + h * D + c * LANES, &o, sizeof(float) * std::min(LANES, D - c * LANES));
-    }
+  f32x16 q[MAX_HEAD_DIM / LANES];
+  for (int64_t c = 0; c < chunks; c++) q[c] = chunk(Q, c);
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; i++) {
+    const float* kp = K + cols[i] * krow;
+    f32x16 acc = q[0] * chunk(kp, 0);
+    for (int64_t c = 1; c < chunks; c++) acc += q[c] * chunk(kp, c);
+    p[i] = sum(acc) * scale;
+    top = std::max(top, p[i]);
+  }
+  f32x16 total = {};
+  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int64_t i = 0; i < n; i += LANES) {  // the row is padded: a whole vector is read and written
+    f32x16 e = exp16(load(p + i) - top);
+    e = lane < float(n - i) ? e : f32x16{};
+    std::memcpy(p + i, &e, sizeof e);
+    total += e;
+  }
+  const float inverse = n ? 1 / sum(total) : 0;
+  f32x16 out[MAX_HEAD_DIM / LANES] = {};
+  for (int64_t i = 0; i < n; i++) {
+    const float* vp = V + cols[i] * vrow;
+    for (int64_t c = 0; c < chunks; c++) out[c] += p[i] * chunk(vp, c);
+  }
+  for (int64_t c = 0; c < chunks; c++) {
+    const f32x16 o = out[c] * inverse;
+    std::memcpy(O + c * LANES, &o, sizeof(float) * std::min(LANES, D - c * LANES));
   }
 }
 
@@ -130,12 +125,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const float *Q = qc.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
   float* O = out.data_ptr<float>();
   const auto run = D % LANES == 0 && D / LANES == 4 ? attend<4> : D % LANES == 0 && D / LANES == 8 ? attend<8> : attend<0>;
-  at::parallel_for(0, B * T * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> p(G * (S + LANES));
-    for (int64_t task = begin; task < end; task++) {  // one row's query, one kv head and the query heads that share it
-      const int64_t bt = task / Hkv, b = bt / T, g = task % Hkv;
-      run(Q + (bt * H + g * G) * D, K + b * k.stride(0) + g * k.stride(1), V + b * v.stride(0) + g * v.stride(1),
-          O + (bt * H + g * G) * D, seen[bt], G, D, k.stride(2), v.stride(2), float(scale), p.data());
+  at::parallel_for(0, B * T * H, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> p(S + LANES);
+    for (int64_t task = begin; task < end; task++) {  // one query's head: SmolLM2's 9 heads share 2 cores better
+      const int64_t bt = task / H, b = bt / T, h = task % H, g = h / G;  // than its 3 kv groups (30 vs 33 us a layer)
+      run(Q + (bt * H + h) * D, K + b * k.stride(0) + g * k.stride(1), V + b * v.stride(0) + g * v.stride(1),
+          O + (bt * H + h) * D, seen[bt], D, k.stride(2), v.stride(2), float(scale), p.data());
     }
   });
   return out;
