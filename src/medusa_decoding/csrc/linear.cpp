@@ -11,11 +11,11 @@
 // medusa::linear_blocks computes the same for weights that are exactly GGUF Q4_1 or Q8_0 blocks (a model
 // dequantized from such a file, as the embedded default is): per block of 32 weights w = code * d + m, with 4-bit
 // codes (Q4_1) or 8-bit ones (Q8_0's q + 128, m = -128 d), d and m float16. code * d is exact in float32, so a
-// block decodes to bitwise the float32 weight. Over up to 4 tokens (a MEDUSA step) the weights are decoded in
+// block decodes to bitwise the float32 weight. Over up to 8 tokens (a MEDUSA step) the weights are decoded in
 // registers and multiplied at once; over more, each tile's weight rows are decoded into a buffer that the same
 // float32 tile then reads. Both sum every product in medusa::linear's order: the output is bitwise its, from 0.75
-// (Q4_1) or 1.25 (Q8_0) bytes a weight instead of 4. SmolLM2's 211 linears on a 2-core EPYC (Zen 4), 1 / 2 / 4
-// tokens: 7.8 / 8.8 / 11.0 ms in registers, 9.5 / 13.0 / 14.7 through the buffer.
+// (Q4_1) or 1.25 (Q8_0) bytes a weight instead of 4. SmolLM2's 211 linears on a 2-core EPYC (Zen 4), 1 / 2 / 4 /
+// 5 / 8 tokens: 7.8 / 8.8 / 11.0 / 13.5 / 19.1 ms in registers, 9.5 / 13.0 / 14.7 / 17.3 / 21.2 through the buffer.
 //
 // Written with GCC/Clang vector extensions: the compiler emits AVX-512, AVX2 or NEON for the machine it runs on.
 #include <torch/library.h>
@@ -41,6 +41,7 @@ typedef float v4 __attribute__((vector_size(16)));
 constexpr int64_t LANES = 16;
 constexpr int64_t TILE = 4;  // rows of x and of w per tile: 16 accumulators, 8 loads for 16 FMAs
 constexpr int64_t BLOCK = 32;  // weights per GGUF block
+constexpr int64_t DECODING_ROWS = 8;  // up to here blocks are decoded in registers, for all the tokens at once
 
 // `count` floats from p, zero-padded to a vector (count < LANES only at the end of a row)
 inline v16 load(const float* p, int64_t count) {
@@ -156,7 +157,7 @@ struct Blocks {
   }
 };
 
-// y[0:M, n0:n0+NB] for M <= TILE tokens, the weight rows decoded in registers as they are multiplied: a buffer
+// y[0:M, n0:n0+NB] for M <= DECODING_ROWS tokens, the weight rows decoded in registers as they are multiplied: a buffer
 // written and read back costs more than the products over so few tokens (a 512-bit store a 16 weights). Each
 // accumulator sums the same products in the same order as `tile` does over a decoded buffer: the same bits.
 typedef uint8_t u8v __attribute__((vector_size(LANES)));
@@ -200,10 +201,14 @@ void tile_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, i
     for (int j = 0; j < NB; j++) y[i * N + n0 + j] = sum(acc[i][j]);
 }
 
+// the weight rows [n0, n0 + TILE), NB at a time: MB x NB accumulators and NB rows' weights fit the 32 registers
 template <int MB, int BITS>
 void rows_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
-  if (n0 + TILE <= N) return tile_decoding<MB, TILE, BITS>(x, w, y, N, n0);
-  for (int64_t n = n0; n < N; n++) tile_decoding<MB, 1, BITS>(x, w, y, N, n);
+  constexpr int NB = MB <= 4 ? 4 : 2;
+  const int64_t end = std::min(n0 + TILE, N);
+  int64_t n = n0;
+  for (; n + NB <= end; n += NB) tile_decoding<MB, NB, BITS>(x, w, y, N, n);
+  for (; n < end; n++) tile_decoding<MB, 1, BITS>(x, w, y, N, n);
 }
 
 template <int BITS>
@@ -218,7 +223,11 @@ at::Tensor run_decoding(const at::Tensor& x, const Blocks<BITS>& weights, int64_
         case 1: rows_decoding<1, BITS>(X, weights, Y, N, t * TILE); break;
         case 2: rows_decoding<2, BITS>(X, weights, Y, N, t * TILE); break;
         case 3: rows_decoding<3, BITS>(X, weights, Y, N, t * TILE); break;
-        default: rows_decoding<4, BITS>(X, weights, Y, N, t * TILE); break;
+        case 4: rows_decoding<4, BITS>(X, weights, Y, N, t * TILE); break;
+        case 5: rows_decoding<5, BITS>(X, weights, Y, N, t * TILE); break;
+        case 6: rows_decoding<6, BITS>(X, weights, Y, N, t * TILE); break;
+        case 7: rows_decoding<7, BITS>(X, weights, Y, N, t * TILE); break;
+        default: rows_decoding<8, BITS>(X, weights, Y, N, t * TILE); break;
       }
     }
   });
@@ -270,7 +279,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
   at::Tensor xc = check_x(x, K, "medusa::linear_blocks"), cc = codes.contiguous(), dmc = dm.contiguous();
   const Blocks<4> q4{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K};
   const Blocks<8> q8{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K};
-  if (xc.size(0) <= TILE) return bits == 4 ? run_decoding(xc, q4, N) : run_decoding(xc, q8, N);
+  if (xc.size(0) <= DECODING_ROWS) return bits == 4 ? run_decoding(xc, q4, N) : run_decoding(xc, q8, N);
   return bits == 4 ? run(xc, q4, N) : run(xc, q8, N);
 }
 
