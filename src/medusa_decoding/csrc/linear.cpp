@@ -109,20 +109,22 @@ constexpr int DECODE_LANES = 8;
 #endif
 typedef float vd __attribute__((vector_size(4 * DECODE_LANES)));
 typedef int32_t id __attribute__((vector_size(4 * DECODE_LANES)));
-typedef uint16_t u16d __attribute__((vector_size(2 * DECODE_LANES)));
 typedef uint8_t ud __attribute__((vector_size(DECODE_LANES), aligned(1)));
 typedef int32_t id16 __attribute__((vector_size(4 * LANES)));
+typedef uint8_t u8v __attribute__((vector_size(LANES)));
 
-inline id widen(ud codes) {
+// unsigned 8-bit codes U to the int32 lanes I (as many)
+template <typename I, typename U>
+inline I widen(U codes) {
 #ifdef __AVX512F__
-  return (id)_mm512_cvtepu8_epi32((__m128i)codes);  // one instruction; GCC 12 makes ~10 of the conversion below
-#else
-  return __builtin_convertvector(__builtin_convertvector(codes, u16d), id);  // 8 -> 32 bits directly: lane by lane
+  if constexpr (sizeof(I) == 64) return (I)_mm512_cvtepu8_epi32((__m128i)codes);  // GCC 12 makes ~10 of the below
 #endif
+  typedef uint16_t u16 __attribute__((vector_size(sizeof(I) / 2)));
+  return __builtin_convertvector(__builtin_convertvector(codes, u16), I);  // 8 -> 32 bits directly: lane by lane
 }
 
 inline void decode(ud codes, float d, float m, float* out) {
-  const vd w = __builtin_convertvector(widen(codes), vd) * d + m;
+  const vd w = __builtin_convertvector(widen<id>(codes), vd) * d + m;
   std::memcpy(out, &w, sizeof w);
 }
 
@@ -160,16 +162,6 @@ struct Blocks {
 // y[0:M, n0:n0+NB] for M <= DECODING_ROWS tokens, the weight rows decoded in registers as they are multiplied: a buffer
 // written and read back costs more than the products over so few tokens (a 512-bit store a 16 weights). Each
 // accumulator sums the same products in the same order as `tile` does over a decoded buffer: the same bits.
-typedef uint8_t u8v __attribute__((vector_size(LANES)));
-inline id16 widen16(u8v codes) {
-#ifdef __AVX512F__
-  return (id16)_mm512_cvtepu8_epi32((__m128i)codes);
-#else
-  typedef uint16_t u16v __attribute__((vector_size(2 * LANES)));
-  return __builtin_convertvector(__builtin_convertvector(codes, u16v), id16);
-#endif
-}
-
 template <int MB, int NB, int BITS>
 void tile_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
   const int64_t K = w.K, blocks = K / BLOCK;
@@ -188,8 +180,8 @@ void tile_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, i
       } else {
         second = first >> 4, first &= 15;
       }
-      lo[j] = __builtin_convertvector(widen16(first), v16) * s[0] + s[1];
-      hi[j] = __builtin_convertvector(widen16(second), v16) * s[0] + s[1];
+      lo[j] = __builtin_convertvector(widen<id16>(first), v16) * s[0] + s[1];
+      hi[j] = __builtin_convertvector(widen<id16>(second), v16) * s[0] + s[1];
     }
     for (int i = 0; i < MB; i++) {
       const v16 xlo = load(x + i * K + b * BLOCK, LANES), xhi = load(x + i * K + b * BLOCK + LANES, LANES);
@@ -277,10 +269,11 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
   TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.numel() == N * (K / BLOCK) * 2,
               "medusa::linear_blocks: float32 dm [N, K / 32, 2]");
   at::Tensor xc = check_x(x, K, "medusa::linear_blocks"), cc = codes.contiguous(), dmc = dm.contiguous();
-  const Blocks<4> q4{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K};
-  const Blocks<8> q8{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K};
-  if (xc.size(0) <= DECODING_ROWS) return bits == 4 ? run_decoding(xc, q4, N) : run_decoding(xc, q8, N);
-  return bits == 4 ? run(xc, q4, N) : run(xc, q8, N);
+  auto go = [&](const auto& blocks) {
+    return xc.size(0) <= DECODING_ROWS ? run_decoding(xc, blocks, N) : run(xc, blocks, N);
+  };
+  if (bits == 4) return go(Blocks<4>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
+  return go(Blocks<8>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
