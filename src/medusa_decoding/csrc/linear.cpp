@@ -270,7 +270,7 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
               "medusa::linear_blocks: float32 dm [N, K / 32, 2]");
   at::Tensor xc = check_x(x, K, "medusa::linear_blocks"), cc = codes.contiguous(), dmc = dm.contiguous();
   auto go = [&](const auto& blocks) {
-    return xc.size(0) <= DECODING_ROWS ? run_decoding(xc, blocks, N) : run(xc, blocks, N);
+    return 0 < xc.size(0) && xc.size(0) <= DECODING_ROWS ? run_decoding(xc, blocks, N) : run(xc, blocks, N);
   };
   if (bits == 4) return go(Blocks<4>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
   return go(Blocks<8>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
