@@ -26,10 +26,11 @@ def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
     return model
 
 
-def random_heads(model, num_heads: int = 4, seed: int = 0) -> MedusaHeads:
-    """Shared-projection heads with random residual blocks: their guesses are mostly wrong."""
+def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa") -> MedusaHeads:
+    """Shared-projection heads with random residual blocks: their guesses are mostly wrong (a hydra head's differ
+    from path to path)."""
     config = model.config.get_text_config()
-    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads))
+    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, kind=kind))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in heads.parameters():
@@ -69,14 +70,16 @@ class OracleHeads(torch.nn.Module):
     They find where decoding stands by the nearest of the base model's hidden states over `sequence`,
     then head k proposes the true token k+2 places ahead at rank 0 mostly, at rank 1 or not at all
     sometimes (fixed per position and head by `luck`), so long paths are accepted and some are cut.
+    Hydra oracles (kind="hydra") know it only on the true path: after any other tokens they guess noise.
     """
 
-    def __init__(self, model, sequence: torch.Tensor, num_heads: int = 4, seed: int = 0):
+    def __init__(self, model, sequence: torch.Tensor, num_heads: int = 4, seed: int = 0, kind: str = "medusa"):
         super().__init__()
         with torch.no_grad():
             reference = model.base_model(input_ids=sequence[None]).last_hidden_state[0]  # [S, H]
         vocab_size = model.get_output_embeddings().weight.shape[0]
-        self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads, projection="own")  # its own logits
+        self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads, projection="own", kind=kind)  # own logits
+        self.register_buffer("embedding", model.get_input_embeddings().weight.detach().clone())
         generator = torch.Generator().manual_seed(seed)
         self.register_buffer("reference", reference)
         self.register_buffer("sequence", sequence.clone())
@@ -86,9 +89,11 @@ class OracleHeads(torch.nn.Module):
     check_compatible = MedusaHeads.check_compatible
     guesses = MedusaHeads.guesses
 
-    def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None) -> torch.Tensor:
-        # hidden: [..., H] -> logits: [K, ..., V]
+    def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None, embeds=None, first: int = 0
+                ) -> torch.Tensor:
+        # hidden: [..., H] (embeds: [..., D, H]) -> logits: [K', ..., V]
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.reference.dtype)
+        paths = None if embeds is None else embeds.reshape(len(flat), *embeds.shape[-2:])
         positions = torch.cdist(flat, self.reference).argmin(-1)  # [B]
         logits = self.noise[positions].clone()  # [B, K, V]; noise is far below the planted values
         for b, position in enumerate(positions.tolist()):
@@ -97,6 +102,9 @@ class OracleHeads(torch.nn.Module):
                 if ahead >= len(self.sequence):
                     continue
                 token, luck = int(self.sequence[ahead]), float(self.luck[position, k])
+                if self.config.kind == "hydra" and not torch.equal(
+                        paths[b, : k + 1], self.embedding[self.sequence[position + 1 : ahead]]):
+                    continue  # off the true path: noise
                 if luck < ORACLE_RANK0:
                     logits[b, k, token] = 100
                 elif luck < ORACLE_RANK1:
@@ -105,4 +113,4 @@ class OracleHeads(torch.nn.Module):
                 else:
                     logits[b, k, token] = -100
         logits = logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
-        return logits[:num_heads]
+        return logits[first:num_heads]

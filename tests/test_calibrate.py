@@ -193,6 +193,16 @@ def test_measured_accuracy_is_the_oracles_planted_luck(oracle):
     assert table[:, 0].mean() > 0.5 and table[:, 2:].sum() == 0
 
 
+def test_hydra_accuracy_is_given_the_true_path(oracle):
+    """Hydra oracles know the answer only after its true tokens: teacher-forced, calibration feeds them exactly those,
+    so their table is the MEDUSA oracle's (a path shifted by one token would give noise: all zeros)."""
+    medusa, _ = oracle
+    hydra = OracleHeads(medusa.model, medusa.heads.sequence, kind="hydra")
+    table = measure_accuracy(MedusaModel(medusa.model, medusa.tokenizer, hydra), [ORACLE_CHAT], CalibrateConfig(top_k=4))
+    assert torch.equal(table, measure_accuracy(medusa, [ORACLE_CHAT], CalibrateConfig(top_k=4)))
+    assert table[:, 0].mean() > 0.5
+
+
 def test_accuracy_is_the_same_when_the_heads_see_the_positions_in_small_chunks(oracle, monkeypatch):
     medusa, _ = oracle
     whole = measure_accuracy(medusa, [ORACLE_CHAT])

@@ -40,6 +40,14 @@ class Case:
     model: torch.nn.Module
     reference: list[int]  # transformers' greedy continuation of PROMPT
     oracle: OracleHeads
+    hydra_oracle: OracleHeads  # right on the true path only
+
+    def heads(self, name: str):
+        """random / oracle, MEDUSA's or (hydra-...) hydra's."""
+        kind = "hydra" if name.startswith("hydra") else "medusa"
+        if name.endswith("oracle"):
+            return self.hydra_oracle if kind == "hydra" else self.oracle
+        return random_heads(self.model, kind=kind)
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +55,8 @@ def case(family: str, attention: str = "sdpa", new_tokens: int = NEW_TOKENS) -> 
     seed = FAMILIES.index(family)  # else llama, qwen2 and mistral would get the very same weights
     model = lively_model(family, attention, seed)
     reference = greedy_reference(model, PROMPT, new_tokens)
-    return Case(model, reference, OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]), seed=seed))
+    sequence = torch.cat([PROMPT, torch.tensor(reference)])
+    return Case(model, reference, OracleHeads(model, sequence, seed=seed), OracleHeads(model, sequence, seed=seed, kind="hydra"))
 
 
 def run(model, heads, tree, max_new_tokens=NEW_TOKENS, prompt=PROMPT, eos_ids=frozenset(), medusa=True):
@@ -66,15 +75,15 @@ def tokens_per_step(steps: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("tree", TREES.values(), ids=TREES)
-@pytest.mark.parametrize("heads", ["random", "oracle"])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle"])
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_greedy_medusa_equals_generate(family, attention, heads, tree):
     c = case(family, attention)
-    steps = run(c.model, c.oracle if heads == "oracle" else random_heads(c.model), tree)
+    steps = run(c.model, c.heads(heads), tree)
     assert steps[0] == c.reference[:1]
     assert flat(steps) == c.reference
     assert all(1 <= len(step) <= Tree.from_spec(tree).depth + 1 for step in steps)
-    if heads == "oracle" and tree:
+    if heads.endswith("oracle") and tree:
         assert tokens_per_step(steps) > MIN_TOKENS_PER_STEP
 
 
@@ -228,17 +237,19 @@ def smol_reference(smollm):
     return ids, out.sequences[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("heads", ["default", "oracle"])
+@pytest.mark.parametrize("heads", ["default", "oracle", "hydra-random", "hydra-oracle"])
 def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
     ids, expected = smol_reference
     medusa = smollm
-    if heads == "oracle":
-        oracle = OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]))
-        medusa = MedusaModel(smollm.model, smollm.tokenizer, oracle, Tree.from_spec(DEFAULT_TREE))  # deep enough for 2+
+    if heads != "default":
+        kind = "hydra" if heads.startswith("hydra") else "medusa"
+        draft = (OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]), kind=kind)
+                 if heads.endswith("oracle") else random_heads(smollm.model, kind=kind))
+        medusa = MedusaModel(smollm.model, smollm.tokenizer, draft, Tree.from_spec(DEFAULT_TREE))  # deep enough for 2+
     out = medusa.generate(SMOL_PROMPT, max_new_tokens=NEW_TOKENS)
     assert out.token_ids == expected
     assert sum(out.accept_lengths) == len(expected)
-    if heads == "oracle":
+    if heads.endswith("oracle"):
         assert out.acceleration_rate > MIN_TOKENS_PER_STEP
 
 
@@ -272,3 +283,25 @@ def test_smollm_rejects_bad_prompts_before_any_work(smollm):
         smollm.generate("", raw=True)
     with pytest.raises(ValueError, match="exceeds the model's context of 8192 tokens"):
         smollm.generate(list(range(8000)), max_new_tokens=200)
+
+
+@pytest.mark.parametrize("tree", ["3x2x2", "wide-sparse"])
+def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
+    """expand, level by level, against one head call per node: node (r_1..r_d) holds rank r_d of head d-1 given the
+    tokens of its parent's path (the root first); and a subtree's tokens are the same nodes' tokens."""
+    c = case("llama")
+    heads, lm_head, embed = random_heads(c.model, kind="hydra"), c.model.get_output_embeddings(), c.model.get_input_embeddings()
+    tree = Tree.from_spec(TREES[tree])
+    hidden, root = torch.randn(c.model.config.hidden_size), 7
+    with torch.no_grad():
+        tokens, guesses = decoding.propose(heads, lm_head, embed, hidden, root, tree, tree)
+        assert tokens[0] == root
+        for node, path in enumerate(tree.paths, 1):
+            parent = tree.chains[node, : len(path)]  # the root .. the parent
+            logits = heads(hidden, lm_head, len(path), embed(tokens[parent]), first=len(path) - 1)[0]
+            assert tokens[node] == logits.topk(path[-1] + 1).indices[-1]
+            assert guesses[path[:-1]][path[-1]] == tokens[node]
+        small = tree.truncated(1)
+        sub, _ = decoding.propose(heads, lm_head, embed, hidden, root, small, tree)
+        assert sub.tolist() == [root] + [int(tokens[tree.paths.index(p) + 1]) for p in small.paths]
+    assert len({tuple(guesses[path]) for path in tree.paths if len(path) == 1 and path in guesses}) > 1  # paths matter

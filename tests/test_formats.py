@@ -266,3 +266,11 @@ def test_a_pickle_that_is_not_a_state_dict_is_refused(tmp_path):
     torch.save([torch.zeros(2)], tmp_path / "medusa_lm_head.pt")
     with pytest.raises(ValueError, match="not a state dict"):
         MedusaHeads.from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "reference"])
+def test_hydra_heads_refuse_layouts_that_hold_medusa_heads_only(tmp_path, fmt):
+    heads = MedusaHeads(HeadsConfig(HIDDEN, VOCAB, 3, 1, "shared", "tiny-llama", kind="hydra"))
+    with pytest.raises(ValueError, match=f"hydra heads, which read the tokens before their guess; the {fmt} layout"):
+        formats.export(heads, tmp_path / "out", fmt, torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+    assert not (tmp_path / "out").exists()  # nothing half-written

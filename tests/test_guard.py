@@ -108,10 +108,13 @@ def test_yields_by_hand():
     assert yields(guesses, [7, 5], first, 8) == [2, 2, 3, 3, 3, 3, 3, 3]  # the end of the answer
 
 
-def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, monkeypatch):
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, monkeypatch, kind):
     """For every step the guard watched, decode again from the prompt up to that step's root with each tree of the
-    ladder: the tokens its first verification yields are the ones the guard counted for that tree."""
+    ladder: the tokens its first verification yields are the ones the guard counted for that tree (hydra heads: from
+    the guesses of each node of the ladder's largest tree, path by path)."""
     model, reference, oracle = llama
+    oracle = OracleHeads(model, oracle.sequence, kind=kind)
     ladder = make_ladder()
     seen = []
     count = Guard.count_tokens
@@ -133,11 +136,13 @@ def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, m
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("heads", ["random", "oracle"])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle"])
 def test_greedy_output_is_exact_whatever_the_guard_picks(family, heads):
     model = lively_model(family, seed=FAMILIES.index(family))
     reference = greedy_reference(model, PROMPT, NEW_TOKENS)
-    draft = random_heads(model) if heads == "random" else OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]))
+    kind = "hydra" if heads.startswith("hydra") else "medusa"
+    draft = (random_heads(model, kind=kind) if heads.endswith("random")
+             else OracleHeads(model, torch.cat([PROMPT, torch.tensor(reference)]), kind=kind))
     used = sizes_used(model, draft, make_ladder(), reference)
     assert len(set(used)) > 1  # the guard moved between trees
 
@@ -148,8 +153,8 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     model, reference, oracle = llama
     wrong = OracleHeads(model, oracle.sequence)
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
-    guess, choose, guessed, chosen, guards = decoding.guess, Guard.choose, [], [], set()
-    monkeypatch.setattr(decoding, "guess", lambda *args: guessed.append(1) or guess(*args))
+    propose, choose, guessed, chosen, guards = decoding.propose, Guard.choose, [], [], set()
+    monkeypatch.setattr(decoding, "propose", lambda *args: (args[-1] is not None and guessed.append(1)) or propose(*args))
     monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: guards.add(guard)
                         or chosen.append(choose(guard, context, batch, pooled)) or chosen[-1])
     promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins
@@ -217,7 +222,7 @@ def test_neither_a_requests_first_step_nor_a_plain_step_that_guesses_is_timed():
     """The first step carries one-off costs, and a guess in a plain step would make plain steps seem dearer."""
     ladder = make_ladder()
     guard = Guard(ladder, root=0)
-    top_k, depth = guard.watched
+    top_k, depth = guard.watched.topk_per_head(), guard.watched.depth
     plain = ladder.latency(100)[0]
     assert guard.choose(100) == (PLAIN, guard.watched)
     guard.record(torch.zeros(depth, top_k, dtype=torch.long), [1], 5 * plain, 100)
@@ -234,7 +239,7 @@ def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():
     tree = build(ORDER[:3])
     guard = Guard(Ladder.fixed(tree), root=0)
     for _ in range(5):
-        assert guard.choose(100) == (tree, (2, 2))  # what the tree needs: top-2 of 2 heads
+        assert guard.choose(100) == (tree, tree)  # the heads guess what the tree needs
         guard.record(torch.zeros(2, 2, dtype=torch.long), [1, 2], 0.5, 100)
     assert not guard.pending and guard.generated == [0] and Guard(Ladder.fixed(PLAIN), 0).choose(5) == (PLAIN, None)
 

@@ -52,21 +52,45 @@ def test_untrained_heads_give_the_base_logits_exactly(family, projection, num_la
             torch.testing.assert_close(one[k], expected[0], rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("projection", ["shared", "own"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_untrained_hydra_heads_give_the_base_logits_whatever_the_tokens(family, projection):
+    model = tiny_model(family)
+    lm_head = model.get_output_embeddings()
+    heads = MedusaHeads(replace(CONFIG, projection=projection, kind="hydra"), lm_head)
+    hidden = torch.randn(5, HIDDEN)
+    embeds = model.get_input_embeddings()(torch.randint(VOCAB, (5, 3)))  # [5, K, H]: random paths
+    with torch.no_grad():
+        expected = lm_head(hidden)
+        for k, head in enumerate(heads.heads):
+            first = head[0]
+            assert first.linear.in_features == (k + 2) * HIDDEN  # h and the k+1 tokens before head k's target
+            assert torch.equal(first(hidden, embeds[:, : k + 1]), hidden)  # zero blocks give back h itself, bitwise
+        logits = heads(hidden, lm_head if projection == "shared" else None, embeds=embeds)
+        assert logits.shape == (3, 5, VOCAB)
+        for k in range(3):
+            torch.testing.assert_close(logits[k], expected, rtol=1e-6, atol=1e-6)
+        deeper = heads(hidden, lm_head, embeds=embeds, first=1)  # heads 1.. alone, as one level of a tree asks
+        torch.testing.assert_close(deeper, logits[1:], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="hydra heads read the tokens before their guess: pass embeds"):
+        heads(hidden, lm_head)
+
+
 def test_shared_heads_need_the_lm_head():
     with pytest.raises(ValueError, match="pass lm_head"):
         MedusaHeads(CONFIG)(torch.zeros(HIDDEN))
 
 
-@pytest.mark.parametrize("projection", ["shared", "own"])
-def test_save_and_load_round_trip_bit_identical(tmp_path, projection):
-    config = replace(CONFIG, projection=projection)
+@pytest.mark.parametrize("projection, kind", [("shared", "medusa"), ("own", "medusa"), ("shared", "hydra")])
+def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind):
+    config = replace(CONFIG, projection=projection, kind=kind)
     heads = perturbed(MedusaHeads(config))
     heads.save_pretrained(tmp_path / "heads")
     assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     saved = json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())
     assert saved == {
         "base_model": "tiny", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 3, "num_layers": 2,
-        "projection": projection,
+        "projection": projection, "kind": kind,
     }
     loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
     assert loaded.config == config
@@ -75,9 +99,9 @@ def test_save_and_load_round_trip_bit_identical(tmp_path, projection):
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    hidden = torch.randn(2, HIDDEN)
+    hidden, embeds = torch.randn(2, HIDDEN), torch.randn(2, 3, HIDDEN)
     with torch.no_grad():
-        assert torch.equal(heads(hidden, lm_head), loaded(hidden, lm_head))
+        assert torch.equal(heads(hidden, lm_head, embeds=embeds), loaded(hidden, lm_head, embeds=embeds))
     assert MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype == torch.bfloat16
 
 
@@ -110,6 +134,7 @@ def test_corrupt_weights_file(saved, damage):
     ('{"hidden_size": 32}', "is not a valid heads config"),
     ('{"hidden_size": 32, "vocab_size": 96, "projection": "both"}', "projection must be one of"),
     ('{"hidden_size": "32", "vocab_size": 96}', "hidden_size must be a positive integer"),
+    ('{"hidden_size": 32, "vocab_size": 96, "kind": "eagle"}', "kind must be one of"),
 ])
 def test_bad_config_file(saved, text, message):
     (saved / CONFIG_NAME).write_text(text)
@@ -117,7 +142,7 @@ def test_bad_config_file(saved, text, message):
         MedusaHeads.from_pretrained(saved)
 
 
-OWN = {"projection": "own"}
+OWN, HYDRA = {"projection": "own"}, {"kind": "hydra"}
 
 
 @pytest.mark.parametrize("saved_as, written", [
@@ -127,6 +152,8 @@ OWN = {"projection": "own"}
     ({}, OWN),
     (OWN, {}),
     (OWN, {**OWN, "vocab_size": 95}),  # shared heads hold no vocab-sized tensor: check_compatible's job
+    ({}, HYDRA),  # a hydra head's first block reads more than h
+    (HYDRA, {}),
 ])
 def test_config_that_does_not_match_the_weights(tmp_path, saved_as, written):
     MedusaHeads(replace(CONFIG, **saved_as)).save_pretrained(tmp_path)

@@ -110,6 +110,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -
     ("engine", {}),
     ("engine", {"top_k": 4, "top_p": 0.8}),
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
+    ("engine, hydra heads", {}),  # candidates that depend on the path before them
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
 ])
@@ -118,6 +119,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     if verifier in flawed:
         monkeypatch.setitem(acceptance.RULES, "rejection", flawed[verifier])
     model, heads = small_model
+    heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
     if verifier.endswith("sampled tokens"):

@@ -19,7 +19,7 @@ from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_
 from medusa_decoding.training import train as train_module
 from medusa_decoding.training.train import (
     MedusaTrainingModel, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
-    prepare_backbone, train,
+    path_embeddings, prepare_backbone, train,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,6 +97,32 @@ def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
     assert (loss < 1e-6) if hit else (loss > 10)
 
 
+@pytest.mark.parametrize("shift, hit", [(0, True), (-1, False)])
+def test_hydra_head_k_reads_the_tokens_t_plus_1_to_t_plus_k_plus_1(shift, hit):
+    """Hand-set hydra heads on one-hot embeddings of a counting sequence: head k passes on the embedding of the
+    (k+1)-th token after t (the last it reads: x[t+k+1+shift]) and projects token a onto a+1, so it is right exactly
+    when it reads x[t+k+1] and is trained on x[t+k+2]."""
+    tokens = torch.arange(3, 12)[None]  # counting: the token after a is a + 1
+    labels = tokens.clone()
+    labels[0, :3] = I
+    vocab = 16
+    embed = torch.nn.Embedding(vocab, vocab, _weight=torch.eye(vocab))
+    heads = MedusaHeads(HeadsConfig(hidden_size=vocab, vocab_size=vocab, num_heads=3, projection="own", kind="hydra"))
+    with torch.no_grad():
+        for k, head in enumerate(heads.heads):
+            head[0].linear.weight.zero_()
+            column = (k + 1 + shift) * vocab  # [h; e(x[t+1]); ...; e(x[t+k+1])]: the block of x[t+k+1+shift]
+            head[0].linear.weight[:, column : column + vocab] = 10 * torch.eye(vocab)
+            head[-1].weight.copy_(30 * torch.eye(vocab).roll(1, 0))  # a -> a + 1
+        embeds = path_embeddings(heads, embed, tokens)
+        assert embeds.shape == (1, 9, 3, vocab)
+        loss, hits = heads_loss(heads, None, torch.zeros(1, 9, vocab), labels, decay=0.8, embeds=embeds)
+    assert hits[0, :, 2].tolist() == [6, 6, 5]  # targets: x[t+k+2] among x3..x8
+    assert hits[0, :, 0].tolist() == ([6, 6, 5] if hit else [0, 0, 0])
+    assert (loss < 1e-6) if hit else (loss > 10)
+    assert path_embeddings(MedusaHeads(HeadsConfig(vocab, vocab)), embed, tokens) is None
+
+
 def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
     """Chunks of 4 positions (logits recomputed in backward when training): the loss, gradients and hits of all
     positions at once."""
@@ -144,11 +170,12 @@ def test_heads_weight_ramps_along_a_sine_only_for_medusa2_without_init_heads():
     assert heads_weight(medusa2, 0, ramp=False) == 0.2
 
 
-def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path):
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind):
     model = model_for(tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recorder = Recorder()
-    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own"})
+    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind})
     accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
     assert recorder.losses[-1] < 0.6 * recorder.losses[0]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -159,7 +186,7 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     medusa = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "heads")
-    assert medusa.heads.config.num_heads == 3
+    assert medusa.heads.config.num_heads == 3 and medusa.heads.config.kind == kind
     assert medusa.generate("w1 w2 w3", max_new_tokens=8).token_ids == medusa.generate(
         "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
 
@@ -275,6 +302,24 @@ def test_init_heads_are_the_starting_point(tokenizer, tmp_path):
     saved.save_pretrained(tmp_path)
     loaded = make_heads(model, config, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), loaded.state_dict().values()))
+
+
+def test_medusa_heads_start_hydra_heads_with_the_same_logits(tokenizer, tmp_path):
+    model = model_for(tokenizer)
+    medusa = make_heads(model, TrainConfig(num_heads=3), None)
+    with torch.no_grad():
+        for p in medusa.parameters():
+            p.normal_()
+    medusa.save_pretrained(tmp_path)
+    hydra = make_heads(model, TrainConfig(num_heads=3, kind="hydra"), tmp_path)
+    assert hydra.config.kind == "hydra"
+    hidden, lm_head = torch.randn(5, model.config.hidden_size), model.get_output_embeddings()
+    embeds = model.get_input_embeddings()(torch.randint(len(tokenizer), (5, 3)))
+    with torch.no_grad():
+        torch.testing.assert_close(hydra(hidden, lm_head, embeds=embeds), medusa(hidden, lm_head), rtol=1e-6, atol=1e-6)
+    hydra.save_pretrained(tmp_path / "hydra")
+    with pytest.raises(ValueError, match="kind='hydra', but training asks for kind='medusa'"):
+        make_heads(model, TrainConfig(num_heads=3), tmp_path / "hydra")
 
 
 def test_errors(tokenizer, tmp_path, monkeypatch):

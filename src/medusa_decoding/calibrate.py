@@ -27,7 +27,7 @@ import torch
 from . import cache as kv
 from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import Batch, context_limit, guess, prefill, propose, verify
+from .decoding import Batch, context_limit, prefill, propose, verify
 from .default_model import cache_root
 from .guard import Guard, Ladder
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
@@ -171,12 +171,14 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     """a_k^(i) [K, S] over the answer tokens of `conversations` (chat messages, e.g. `medusa distill`'s).
 
     Teacher-forced, as in training: at every position t whose token t+k+2 is an answer token, does
-    head k rank that token i-th? Stops after config.max_positions positions with a head-0 target.
+    head k rank that token i-th? (Hydra heads read the true tokens before it: the accuracy given that the path up
+    to the guess is right, what a path's acceptance multiplies.) Stops after config.max_positions positions with a
+    head-0 target.
     """
     from tqdm.auto import tqdm
 
     from .training.data import IGNORE_INDEX, build_examples, collate
-    from .training.train import HEAD_OFFSET, future_labels
+    from .training.train import HEAD_OFFSET, future_labels, path_embeddings
 
     model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
     num_heads, ranks = heads.config.num_heads, min(config.top_k, heads.config.vocab_size)
@@ -193,9 +195,11 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
             out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
             targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(num_heads)])
             keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
-            chunks = zip(out.last_hidden_state[keep].split(HEADS_CHUNK), targets[:, keep].split(HEADS_CHUNK, dim=1))
-            for chunk_hidden, chunk_targets in chunks:
-                top = heads.guesses(chunk_hidden, lm_head, ranks)  # [K, n, S]
+            embeds = path_embeddings(heads, model.get_input_embeddings(), batch["input_ids"])
+            paths = itertools.repeat(None) if embeds is None else embeds[keep].split(HEADS_CHUNK)
+            chunks = zip(out.last_hidden_state[keep].split(HEADS_CHUNK), targets[:, keep].split(HEADS_CHUNK, dim=1), paths)
+            for chunk_hidden, chunk_targets, chunk_embeds in chunks:
+                top = heads.guesses(chunk_hidden, lm_head, ranks, embeds=chunk_embeds)  # [K, n, S]
                 hits += (top == chunk_targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
                 counts += (chunk_targets != IGNORE_INDEX).sum(-1).cpu()
             progress.update(min(int(counts[0]), config.max_positions) - progress.n)
@@ -222,13 +226,12 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     burst of load from elsewhere slows all of them, not one.
     """
     model, heads, device = medusa.model, medusa.heads, medusa.model.device
-    lm_head = guess_projection(model)
+    lm_head, embed = guess_projection(model), model.get_input_embeddings()
     contexts = latency_contexts(medusa, trees, config)
     greedy_config = GenerationConfig()
 
     def step(cache, hidden, root, tree: Tree, prefix_len: int) -> None:
-        guesses = guess(heads, lm_head, hidden, tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
-        tokens = torch.cat([torch.tensor([root], device=device), propose(guesses, tree, device)])
+        tokens, _ = propose(heads, lm_head, embed, hidden, root, tree, tree if tree.num_nodes > 1 else None)
         logits, _ = verify(model, cache, tokens, tree, prefix_len)
         path, _ = greedy(tokens, logits, tree, greedy_config)
         kv.commit(cache, [prefix_len], [path.tolist()])
@@ -331,15 +334,12 @@ def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig =
 def answer_vocab(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor | None:
     """The config.guess_vocab tokens the conversations' answers use most, most used first (then unused ones by id),
     or None: the whole vocabulary (guess_vocab 0 or not smaller, or heads with projections of their own)."""
-    from .training.data import IGNORE_INDEX, build_examples
+    from .training.data import answer_vocab, build_examples
 
     size = medusa.heads.config.vocab_size
     if not config.guess_vocab or config.guess_vocab >= size or medusa.heads.config.projection != "shared":
         return None
-    examples = build_examples(medusa.tokenizer, conversations, config.max_length)
-    labels = torch.tensor([label for example in examples for label in example["labels"] if label != IGNORE_INDEX])
-    counts = torch.bincount(labels, minlength=size)
-    return counts.sort(descending=True, stable=True).indices[: config.guess_vocab]
+    return answer_vocab(build_examples(medusa.tokenizer, conversations, config.max_length), size, config.guess_vocab)
 
 
 def save(calibration: Calibration, directory: str | Path, setup: str) -> None:

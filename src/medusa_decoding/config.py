@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 PROJECTIONS = ("shared", "own")
+HEAD_KINDS = ("medusa", "hydra")  # hydra: a head also sees the tokens between the hidden state and its target
 EXPORT_FORMATS = ("vllm", "reference")  # `medusa export` targets; formats.py reads these and more
 
 # A small sparse tree (published MEDUSA path format: each path lists the rank taken in each head's
@@ -21,10 +22,13 @@ class HeadsConfig:
     num_layers: int = 1
     projection: str = "shared"  # "shared": the base LM head; "own": one copied per head (published layout)
     base_model: str = ""
+    kind: str = "medusa"  # "hydra": head k also sees the input embeddings of the k+1 tokens before its target
 
     def __post_init__(self):
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
+        if self.kind not in HEAD_KINDS:
+            raise ValueError(f"kind must be one of {HEAD_KINDS}, got {self.kind!r}")
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -95,6 +99,7 @@ class TrainConfig:
     """Head training. medusa1: frozen backbone, heads only. medusa2: LoRA backbone and heads together."""
 
     mode: str = "medusa1"
+    kind: str = HeadsConfig.kind
     num_heads: int = HeadsConfig.num_heads
     num_layers: int = HeadsConfig.num_layers
     projection: str = HeadsConfig.projection
@@ -114,6 +119,9 @@ class TrainConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.05
     quantize: str | None = None  # MEDUSA-1: load the frozen backbone in 8bit / 4bit (bitsandbytes, GPU)
+    # MEDUSA-1, shared projection: the heads' loss ranks the N tokens the training answers use most (0: all), as they
+    # guess on a CPU (calibrate's guess_vocab): the projection onto 49k tokens is most of a CPU step
+    guess_vocab: int = 0
     bf16: bool = False
     eval_fraction: float = 0.05
     save_steps: int = 200  # checkpoint (and evaluate) every this many optimizer steps
@@ -122,7 +130,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
-        choices = {"mode": TRAIN_MODES, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
+        choices = {"mode": TRAIN_MODES, "kind": HEAD_KINDS, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -138,6 +146,11 @@ class TrainConfig:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
+        if self.guess_vocab and (self.mode != "medusa1" or self.projection != "shared"):
+            raise ValueError(f"guess_vocab is for mode 'medusa1' with a shared projection, got mode {self.mode!r}, "
+                             f"projection {self.projection!r}")
+        if not isinstance(self.guess_vocab, int) or self.guess_vocab < 0:
+            raise ValueError(f"guess_vocab must be 0 (all) or a positive integer, got {self.guess_vocab!r}")
         if self.quantize and self.mode != "medusa1":
             raise ValueError(f"quantize is for mode 'medusa1' (frozen backbone), got mode {self.mode!r}")
 

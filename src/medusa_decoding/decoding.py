@@ -21,7 +21,7 @@ from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
 from .kernels import guess_projection
-from .tree import Tree, build
+from .tree import Tree, build, node_index
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
 
@@ -64,16 +64,42 @@ def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Te
     return cache, logits[0, -1], hidden[0, -1]
 
 
-def guess(heads: MedusaHeads, lm_head, hidden: torch.Tensor, top_k: int, depth: int) -> torch.Tensor:
-    """hidden: [H] -> the first `depth` heads' top-k token ids [depth, top_k]."""
-    return heads.guesses(hidden, lm_head, top_k, num_heads=depth)
+def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree, watched: Tree | None
+            ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+    """Propose: the step's tokens [N+1] (the root, then the candidates of `tree`) and the heads' guesses for the guard.
+
+    watched: the tree whose nodes the heads guess for (it holds `tree`'s: the guard watches its ladder's largest);
+    None: a plain step that does not guess. MEDUSA heads guess once per head, whatever the path: guesses [D, k],
+    each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`expand`): guesses
+    {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
+    """
+    root_token = torch.tensor([root], device=hidden.device)
+    if watched is None:
+        return root_token, None
+    if heads.config.kind == "medusa":
+        guesses = heads.guesses(hidden, lm_head, watched.topk_per_head(), watched.depth)
+        return torch.cat([root_token, guesses[tree.heads, tree.ranks]]), guesses
+    tokens, tops = expand(heads, lm_head, embed, hidden, root, watched)
+    guesses = {(() if node == 0 else watched.paths[node - 1]): top
+               for (nodes, _, _), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
+    return (tokens if tree is watched else tokens[node_index(watched.paths, tree.paths)]), guesses
 
 
-def propose(guesses: torch.Tensor | None, tree: Tree, device) -> torch.Tensor:
-    """guesses [D, k] -> candidate tokens [N] for the non-root nodes: head/rank given by the tree."""
-    if tree.num_nodes == 1:
-        return torch.empty(0, dtype=torch.long, device=device)
-    return guesses[tree.heads, tree.ranks]
+def expand(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree
+           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Hydra's proposal, level by level: the children of the nodes at depth d are head d's top-k given each node's
+    path (the root and the candidates after it), one head call per depth -> the tokens of every node [N+1], and per
+    depth the top-k of each node expanded there ([n_d, k], in the order of tree.levels)."""
+    tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=hidden.device)
+    tokens[0] = root
+    tops = []
+    for depth, (parents, children, rows) in enumerate(tree.levels):
+        paths = tokens[tree.chains[parents, : depth + 1]]  # [n, depth+1]
+        top = heads.guesses(hidden.expand(len(parents), -1), lm_head, tree.topk_per_head(), depth + 1, embed(paths),
+                            first=depth)[0]  # [n, k]
+        tokens[children] = top[rows, tree.ranks[children - 1]]
+        tops.append(top)
+    return tokens, tops
 
 
 def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:
@@ -127,7 +153,7 @@ class Plan:
 
     tree: Tree  # the guard's pick, cut at the token budget
     tokens: torch.Tensor  # [N+1] the root and the candidates
-    guesses: torch.Tensor | None  # [depth, top_k] the heads' guesses, for the guard
+    guesses: torch.Tensor | dict | None  # the heads' guesses, for the guard (propose)
     timed: bool  # whether the step's time tells the guard about its tree
 
 
@@ -138,6 +164,7 @@ class Batch:
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
         self.model, self.heads, self.lm_head = model, heads, guess_projection(model)  # the guesses' projection
+        self.embed = model.get_input_embeddings()  # what hydra heads read of the tokens before their guess
         self.cache = kv.allocate(model, 0)
         self.rows: list[Row] = []
 
@@ -163,11 +190,9 @@ class Batch:
     def plan(self, row: Row, pooled: list[float] | None) -> Plan:
         """Propose: the row's tree for this step (its guard weighs it at this batch's size, with the batch's mean
         yields `pooled`) and its candidates."""
-        tree, guessing = row.guard.choose(row.length, len(self.rows), pooled)  # guessing: (top_k, depth), or None
+        tree, watched = row.guard.choose(row.length, len(self.rows), pooled)  # watched: the tree guessed for, or None
         step_tree = tree.truncated(row.config.max_new_tokens - row.produced - 1)  # never guess past the budget
-        guesses = guess(self.heads, self.lm_head, row.hidden, *guessing) if guessing else None
-        device = row.hidden.device
-        tokens = torch.cat([torch.tensor([row.root], device=device), propose(guesses, step_tree, device)])
+        tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched)
         # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
         return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None)
 

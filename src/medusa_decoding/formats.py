@@ -232,6 +232,10 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
     if fmt not in EXPORT_FORMATS:
         raise ValueError(f"format must be one of {EXPORT_FORMATS}, got {fmt!r}")
     config = heads.config
+    if config.kind != "medusa":
+        raise ValueError(f"export: these are {config.kind} heads, which read the tokens before their guess; the "
+                         f"{fmt} layout holds MEDUSA heads only (its engines feed a head the hidden state alone), so "
+                         "they cannot be written in it. Keep the native layout (save_pretrained)")
     state = {key.removeprefix(NATIVE_PREFIX): t.detach().contiguous() for key, t in heads.state_dict().items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

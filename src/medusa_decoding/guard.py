@@ -129,7 +129,7 @@ class Guard:
         self.ladder, self.choice = ladder, 0
         self.watching = len(trees) > 1
         self.depth = max(tree.depth for tree in trees)
-        self.watched = (max(tree.topk_per_head() for tree in trees), self.depth)  # guesses that cover every tree
+        self.watched = ladder.tree  # the largest holds every node: its guesses cover every tree
         self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree
         self.observed = 0  # steps whose yields were counted
         self.time_factor: list[float | None] = [None] * len(trees)  # measured / calibrated step time, per tree
@@ -146,12 +146,13 @@ class Guard:
 
     def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None
                ) -> tuple[Tree, tuple[int, int] | None]:
-        """The tree of the next step at `context` tokens in a batch of `batch` rows, and what the heads guess in it:
-        (top_k, depth), enough for every tree of the ladder, or None (a plain step that does not probe). pooled: the
+        """The tree of the next step at `context` tokens in a batch of `batch` rows, and the tree the heads guess for in
+        it (decoding.propose): the ladder's largest, which covers every tree, or None (a plain step that does not
+        probe). pooled: the
         batch's mean yields per tree (`batch_yields`), which every row of the batch then follows as they stand."""
         if not self.watching:
             tree = self.ladder.tree
-            return tree, (tree.topk_per_head(), tree.depth) if tree.num_nodes > 1 else None
+            return tree, tree if tree.num_nodes > 1 else None
         if self.plain_steps + self.tree_steps < self.opening:  # the smallest tree (plain, from calibrate), guessing
             self.plain_steps += 1
             return self.ladder.trees[0], self.watched
@@ -178,12 +179,12 @@ class Guard:
         return tree, self.watched
 
     def record(self, guesses: torch.Tensor | None, new: list[int], seconds: float | None, context: int) -> None:
-        """After a step: its guesses ([depth, top_k] token ids, or None), the tokens it produced, its seconds (None:
+        """After a step: its guesses (decoding.propose's, or None), the tokens it produced, its seconds (None:
         not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
         if not self.watching:
             return
         if guesses is not None:
-            self.pending.append((len(self.generated), guesses.tolist()))
+            self.pending.append((len(self.generated), guesses if isinstance(guesses, dict) else guesses.tolist()))
         self.generated += new
         while self.pending and self.pending[0][0] + self.depth <= len(self.generated):
             self.count_tokens(*self.pending.popleft())
@@ -192,7 +193,7 @@ class Guard:
         if seconds is not None and not first and not probe:
             self.time_step(seconds / self.ladder.latency(context)[self.choice])
 
-    def count_tokens(self, start: int, guesses: list[list[int]]) -> None:
+    def count_tokens(self, start: int, guesses: list[list[int]] | dict) -> None:
         """Updates each tree's tokens per step with what it would have yielded at the step whose guesses were for
         generated[start:]."""
         self.observed += 1
@@ -225,17 +226,22 @@ def batch_yields(guards: list[Guard]) -> list[list[float] | None]:
     return [means.get(id(guard.ladder)) if guard.watching else None for guard in guards]
 
 
-def yields(guesses: list[list[int]], tokens: list[int], first: dict[tuple[int, ...], int], trees: int) -> list[int]:
-    """The tokens each of `trees` nested trees yields at a step: guesses [depth][k] (each head's top-k), tokens the
-    ones that followed the root, first[path] the first tree holding that node. Greedy verification accepts the
-    longest path of right guesses a tree holds, and adds one token of its own.
+def yields(guesses: list[list[int]] | dict, tokens: list[int], first: dict[tuple[int, ...], int], trees: int
+           ) -> list[int]:
+    """The tokens each of `trees` nested trees yields at a step: guesses [depth][k] (each head's top-k, MEDUSA) or
+    {node path: the top-k after that node} (hydra), tokens the ones that followed the root, first[path] the first
+    tree holding that node. Greedy verification accepts the longest path of right guesses a tree holds, and adds
+    one token of its own.
 
     >>> yields([[7, 8], [5, 9]], [8, 5], {(0,): 0, (1,): 1, (1, 0): 2}, 3)   # (1,) right, then (1, 0)
     [1, 2, 3]
+    >>> yields({(): [7, 8], (1,): [9, 5]}, [8, 5], {(0,): 0, (1,): 1, (1, 1): 2}, 3)   # hydra: (1,), then (1, 1)
+    [1, 2, 3]
     """
     depths, node = [], ()  # along the guesses right in a row: the first tree holding each node
-    for guessed, token in zip(guesses, tokens):
-        if token not in guessed or (node := node + (guessed.index(token),)) not in first:
+    for depth, token in enumerate(tokens):
+        guessed = guesses.get(node) if isinstance(guesses, dict) else guesses[depth] if depth < len(guesses) else None
+        if guessed is None or token not in guessed or (node := node + (guessed.index(token),)) not in first:
             break
         depths.append(first[node])
     return [1 + sum(tree >= depth for depth in depths) for tree in range(trees)]

@@ -1,7 +1,12 @@
-"""MEDUSA heads: K small residual MLPs on the last hidden state; head k guesses token t+k+2.
+"""Draft heads: K small residual MLPs on the last hidden state h_t; head k guesses token t+k+2.
 
-Head k computes `W2 · (h + SiLU(W1 · h))` (one residual block per layer). W1 starts at zero and
+MEDUSA head k computes `W2 · (h + SiLU(W1 · h))` (one residual block per layer). W1 starts at zero and
 W2 is the base LM head (shared) or a copy of it (own), so an untrained head repeats the base model.
+
+A hydra head (Ankner et al. 2024, "sequentially-dependent draft heads") also sees the tokens between h_t and its
+target: its first block reads `[h; e(x_t+1); ...; e(x_t+k+1)]`, the base model's input embeddings of the root token
+and of the candidates before its guess, and adds the result to h as MEDUSA's does. A MEDUSA head guesses t+k+2
+without knowing what comes before it; a hydra head's guess follows the path it extends (decoding.expand).
 """
 
 import json
@@ -20,16 +25,18 @@ WEIGHTS_NAME = "model.safetensors"
 
 
 class ResBlock(nn.Module):
-    """x + SiLU(Linear(x)), zero-initialised so that it starts as the identity."""
+    """x + SiLU(Linear([x; context])), zero-initialised so that it starts as the identity. context: [..., C, H]
+    token embeddings read beside x (hydra's first block), C fixed at construction."""
 
-    def __init__(self, hidden_size: int):
+    def __init__(self, hidden_size: int, context: int = 0):
         super().__init__()
-        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.linear = nn.Linear((1 + context) * hidden_size, hidden_size)
         nn.init.zeros_(self.linear.weight)
         nn.init.zeros_(self.linear.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + nn.functional.silu(self.linear(x))
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None) -> torch.Tensor:
+        inputs = x if context is None else torch.cat([x, context.flatten(-2)], -1)
+        return x + nn.functional.silu(self.linear(inputs))
 
 
 class MedusaHeads(nn.Module):
@@ -44,34 +51,47 @@ class MedusaHeads(nn.Module):
         super().__init__()
         self.config = config
         own = config.projection == "own"
+        hydra = config.kind == "hydra"
         self.heads = nn.ModuleList(
             nn.Sequential(
-                *(ResBlock(config.hidden_size) for _ in range(config.num_layers)),
+                *(ResBlock(config.hidden_size, k + 1 if hydra and layer == 0 else 0) for layer in range(config.num_layers)),
                 *([nn.Linear(config.hidden_size, config.vocab_size, bias=False)] if own else []),
             )
-            for _ in range(config.num_heads)
+            for k in range(config.num_heads)
         )
         if own and lm_head is not None:
             for head in self.heads:
                 head[-1].weight.data.copy_(lm_head.weight.data)
 
-    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, num_heads: int | None = None) -> torch.Tensor:
-        """hidden: [..., H] -> logits [K, ..., V] of the first num_heads (default all) heads.
+    def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, num_heads: int | None = None,
+                embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+        """hidden: [..., H] -> logits [K', ..., V] of heads first..num_heads-1 (default: all).
 
-        Shared heads go through the LM head in one call: its weight, a fifth of a small model's, is read once.
+        embeds: [..., D, H], hydra heads only: the input embeddings of the tokens after h's position (the root
+        first; head k reads the first k+1). Shared heads go through the LM head in one call: its weight, a fifth of
+        a small model's, is read once.
         """
-        heads = self.heads[:num_heads]
+        if self.config.kind == "hydra" and embeds is None:
+            raise ValueError("hydra heads read the tokens before their guess: pass embeds")
+        states = []
+        for k in range(first, self.config.num_heads if num_heads is None else num_heads):
+            blocks = self.heads[k][: self.config.num_layers]
+            x = blocks[0](hidden, embeds[..., : k + 1, :] if self.config.kind == "hydra" else None)
+            for block in blocks[1:]:
+                x = block(x)
+            states.append(x)
         if self.config.projection == "own":
-            return torch.stack([head(hidden) for head in heads])
+            return torch.stack([self.heads[k][-1](x) for k, x in enumerate(states, first)])
         if lm_head is None:
             raise ValueError("these heads share the base model's LM head: pass lm_head")
-        return lm_head(torch.stack([head(hidden) for head in heads]))
+        return lm_head(torch.stack(states))
 
-    def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None
-                ) -> torch.Tensor:
-        """hidden: [..., H] -> token ids [K, ..., k]: each head's top k. A shared projection onto part of the
-        vocabulary (an Int8Linear with `rows`, kernels.set_guess_vocab) ranks those tokens only."""
-        top = self(hidden, lm_head, num_heads).topk(k, dim=-1).indices
+    def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None,
+                embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
+        """hidden: [..., H] -> token ids [K', ..., k]: each head's top k (heads and embeds as in forward). A shared
+        projection onto part of the vocabulary (an Int8Linear with `rows`, kernels.set_guess_vocab) ranks those
+        tokens only."""
+        top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
         rows = getattr(lm_head, "rows", None) if self.config.projection == "shared" else None
         return top if rows is None else rows[top]
 

@@ -34,6 +34,10 @@ class Tree:
     ranks: torch.Tensor  # [N] which rank of that head's top-k
     leaf_paths: torch.Tensor  # [L, D+1] root-to-leaf node indices, PAD-filled
     children: tuple[tuple[int, ...], ...]  # [N+1] each node's children, by rank
+    chains: torch.Tensor  # [N+1, D+1] root-to-node indices of every node, PAD-filled
+    # per depth d < D: (the nodes at d that have children [n], their children [m], each child's parent among those n
+    # [m]): what one head call per depth expands (decoding.expand)
+    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
     @property
     def num_nodes(self) -> int:
@@ -101,6 +105,13 @@ def build(paths: tuple[tuple[int, ...], ...]) -> Tree:
     return _build(tuple(sorted(paths, key=lambda p: (len(p), p))))
 
 
+@lru_cache(maxsize=256)
+def node_index(paths: tuple[tuple[int, ...], ...], sub: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """[M+1] the index in the tree of `paths` of each node of its subtree `sub` (root first)."""
+    index = {p: i + 1 for i, p in enumerate(paths)}
+    return torch.tensor([0] + [index[p] for p in sub])
+
+
 @lru_cache(maxsize=64)
 def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
     paths = tuple(sorted(paths, key=lambda p: (len(p), p)))
@@ -114,21 +125,29 @@ def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
     children = [[] for _ in range(n)]
     for i in range(1, n):
         children[parents[i]].append(i)  # paths are sorted, so siblings come by rank
-    leaves = [i for i in range(n) if not children[i]]
     depth = max((len(p) for p in paths), default=0)
-    leaf_paths = torch.full((len(leaves), depth + 1), PAD, dtype=torch.long)
-    for row, leaf in enumerate(leaves):
-        chain = [leaf]
+    chains = torch.full((n, depth + 1), PAD, dtype=torch.long)
+    for node in range(n):
+        chain = [node]
         while chain[-1] != 0:
             chain.append(parents[chain[-1]])
-        leaf_paths[row, : len(chain)] = torch.tensor(chain[::-1])
+        chains[node, : len(chain)] = torch.tensor(chain[::-1])
+    depths = [0] + [len(p) for p in paths]
+    levels = []
+    for d in range(depth):
+        expanded = [i for i in range(n) if depths[i] == d and children[i]]
+        kids = [c for i in expanded for c in children[i]]
+        levels.append((torch.tensor(expanded), torch.tensor(kids),
+                       torch.tensor([row for row, i in enumerate(expanded) for _ in children[i]])))
     return Tree(
         paths=paths,
         attention=attention,
-        depths=torch.tensor([0] + [len(p) for p in paths]),
+        depths=torch.tensor(depths),
         parents=torch.tensor(parents),
         heads=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
         ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
-        leaf_paths=leaf_paths,
+        leaf_paths=chains[[i for i in range(n) if not children[i]]],
         children=tuple(tuple(c) for c in children),
+        chains=chains,
+        levels=tuple(levels),
     )

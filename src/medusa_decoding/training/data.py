@@ -143,6 +143,13 @@ def build_examples(tokenizer, conversations: list[list[dict]], max_length: int) 
     return examples
 
 
+def answer_vocab(examples: list[dict], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` tokens the examples' answers (labels) use most, most used first (then unused ones by id): what the
+    heads guess from on a CPU (kernels.set_guess_vocab), and what training ranks them among (TrainConfig)."""
+    labels = torch.tensor([label for example in examples for label in example["labels"] if label != IGNORE_INDEX])
+    return torch.bincount(labels, minlength=vocab_size).sort(descending=True, stable=True).indices[:size]
+
+
 def split(examples: list[dict], fraction: float, seed: int) -> tuple[list[dict], list[dict]]:
     """(train, held out): a seeded random `fraction` held out, at least one when fraction > 0, never all."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()

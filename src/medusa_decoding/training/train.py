@@ -14,9 +14,10 @@ pass; `MedusaTrainer.compute_loss` sets lambda, `create_optimizer` gives the hea
 """
 
 import importlib.util
+import itertools
 import json
 import math
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
 
@@ -30,8 +31,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from ..config import HeadsConfig, TrainConfig
 from ..heads import MedusaHeads
 from ..model import ADAPTER_NAME, MERGED_NAME, load_base, untie_output_embeddings
-from .data import IGNORE_INDEX, build_examples, collate, split
+from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
 
+OUTSIDE = -1  # the label of an answer token outside the guess vocabulary (TrainConfig.guess_vocab): never guessed
 HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
 TOPK_ACCURACY = 5
 LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
@@ -45,9 +47,21 @@ def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
 
 
-def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float):
-    """hidden [B, T, H], labels [B, T] -> (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets;
-    None while training, when nothing reads them).
+def path_embeddings(heads: MedusaHeads, embed: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """What hydra heads read of the tokens after each position t, teacher-forced: [B, T, K, H], the input
+    embeddings of tokens t+1..t+K (head k reads the first k+1; past the end the last token's, where no head has a
+    target). None for MEDUSA heads."""
+    if heads.config.kind != "hydra":
+        return None
+    last = input_ids[:, -1:]
+    ahead = [torch.cat([input_ids[:, j:], last.expand(-1, j)], dim=1) for j in range(1, heads.config.num_heads + 1)]
+    return embed(torch.stack(ahead, dim=-1))
+
+
+def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
+               embeds: torch.Tensor | None = None):
+    """hidden [B, T, H], labels [B, T] (embeds [B, T, K, H]: path_embeddings) -> (sum_k decay^k mean CE_k, hits
+    [B, K, 3]: top-1, top-5, targets; None while training, when nothing reads them).
 
     The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
     positions at a time, their logits recomputed in the backward pass: K x N x V logits at once cost gigabytes
@@ -58,16 +72,17 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, lab
     keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
     targets = targets[:, keep]  # [K, N]
     weights = decay ** torch.arange(num_heads, device=hidden.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
-    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1)))
+    paths = itertools.repeat(None) if embeds is None else embeds[keep].split(LOSS_CHUNK)
+    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), paths))
     loss = hidden.new_zeros((), dtype=torch.float32)
     if torch.is_grad_enabled():
-        def chunk_loss(chunk_hidden, chunk_targets):
-            return weighted_ce(heads(chunk_hidden, lm_head), chunk_targets, weights)
+        def chunk_loss(chunk_hidden, chunk_targets, chunk_embeds):
+            return weighted_ce(heads(chunk_hidden, lm_head, embeds=chunk_embeds), chunk_targets, weights)
 
-        return loss + sum(checkpoint(chunk_loss, h, t, use_reentrant=False) for h, t in chunks), None
+        return loss + sum(checkpoint(chunk_loss, *chunk, use_reentrant=False) for chunk in chunks), None
     hits = [targets.new_zeros(num_heads, 0, 3)]  # [K, n, 3] per chunk, joined once
-    for chunk_hidden, chunk_targets in chunks:
-        logits = heads(chunk_hidden, lm_head)
+    for chunk_hidden, chunk_targets, chunk_embeds in chunks:
+        logits = heads(chunk_hidden, lm_head, embeds=chunk_embeds)
         loss = loss + weighted_ce(logits, chunk_targets, weights)
         hits.append(head_hits(logits, chunk_targets))
     hits = torch.cat(hits, 1)  # [K, N, 3]
@@ -76,7 +91,9 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, lab
 
 
 def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk."""
+    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk (a target OUTSIDE the
+    guess vocabulary counts nothing)."""
+    targets = targets.masked_fill(targets == OUTSIDE, IGNORE_INDEX)
     losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
     return (losses.sum(-1) * weights).sum()
 
@@ -95,10 +112,14 @@ class MedusaTrainingModel(nn.Module):
     exactly what training changes (the frozen rest is loaded with the model).
     """
 
-    def __init__(self, backbone: nn.Module, heads: MedusaHeads, config: TrainConfig):
+    def __init__(self, backbone: nn.Module, heads: MedusaHeads, config: TrainConfig, vocab: torch.Tensor | None = None):
+        """vocab: the guess vocabulary (data.answer_vocab) the heads' loss ranks, or None: all tokens."""
         super().__init__()
         self.backbone, self.heads, self.train_config = backbone, heads, config
         self.adapted = config.mode == "medusa2"
+        self.vocab = vocab
+        if vocab is not None:  # token id -> its place in vocab, OUTSIDE if none
+            self.place = torch.full((heads.config.vocab_size,), OUTSIDE).index_copy_(0, vocab, torch.arange(len(vocab)))
 
     @property
     def causal_lm(self) -> PreTrainedModel:
@@ -113,7 +134,14 @@ class MedusaTrainingModel(nn.Module):
         with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
             hidden = self.hidden_states(input_ids, attention_mask)
         lm_head = self.causal_lm.get_output_embeddings()
-        loss, hits = heads_loss(self.heads, lm_head, hidden, labels, self.train_config.decay)
+        embeds = path_embeddings(self.heads, self.causal_lm.get_input_embeddings(), input_ids)
+        if self.vocab is None:
+            loss, hits = heads_loss(self.heads, lm_head, hidden, labels, self.train_config.decay, embeds)
+        else:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
+            place, rows = self.place.to(labels.device), lm_head.weight[self.vocab.to(labels.device)]
+            guess_labels = labels.masked_scatter(labels != IGNORE_INDEX, place[labels[labels != IGNORE_INDEX]])
+            loss, hits = heads_loss(self.heads, partial(F.linear, weight=rows), hidden, guess_labels,
+                                    self.train_config.decay, embeds)
         loss = heads_weight * loss
         if self.adapted:
             loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
@@ -214,21 +242,36 @@ def load_backbone(model: str | None, config: TrainConfig):
 
 
 def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Path | None) -> MedusaHeads:
-    """Fresh heads (an untrained head repeats the base model), or trained ones to start from; fp32 to train."""
+    """Fresh heads (an untrained head repeats the base model), or trained ones to start from; fp32 to train.
+    Trained MEDUSA heads start hydra heads too (`with_tokens`): they train only what the tokens add."""
     hidden_size = model.config.get_text_config().hidden_size
     lm_head = model.get_output_embeddings()
     vocab_size = lm_head.weight.shape[0]
     wanted = HeadsConfig(hidden_size, vocab_size, config.num_heads, config.num_layers, config.projection,
-                         model.name_or_path)
+                         model.name_or_path, config.kind)
     if init_heads is None:
         return MedusaHeads(wanted, lm_head).float()
     heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
     heads.check_compatible(hidden_size, vocab_size, model.name_or_path)
-    for name in ("num_heads", "num_layers", "projection"):
+    if (heads.config.kind, wanted.kind) == ("medusa", "hydra"):
+        heads = with_tokens(heads)
+    for name in ("kind", "num_heads", "num_layers", "projection"):
         if getattr(heads.config, name) != getattr(wanted, name):
             raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
                              f"but training asks for {name}={getattr(wanted, name)!r}")
     return heads.float()
+
+
+def with_tokens(heads: MedusaHeads) -> MedusaHeads:
+    """MEDUSA heads as hydra heads that give the same logits: each first block reads the tokens too, through zero
+    weights."""
+    hydra = MedusaHeads(replace(heads.config, kind="hydra"))
+    state = heads.state_dict()
+    for k in range(heads.config.num_heads):
+        name = f"heads.{k}.0.linear.weight"
+        state[name] = torch.cat([state[name], state[name].new_zeros(state[name].shape[0], (k + 1) * state[name].shape[1])], 1)
+    hydra.load_state_dict(state)
+    return hydra
 
 
 def prepare_backbone(model: PreTrainedModel, config: TrainConfig) -> nn.Module:
@@ -308,7 +351,8 @@ def train(
     examples = build_examples(tokenizer, conversations, config.max_length)
     train_set, eval_set = split(examples, config.eval_fraction, config.seed)
     heads = make_heads(model, config, init_heads)
-    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config)
+    vocab = answer_vocab(train_set, heads.config.vocab_size, config.guess_vocab) if config.guess_vocab else None
+    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
     trainer = MedusaTrainer(
         model=wrapper,
