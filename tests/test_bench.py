@@ -123,9 +123,9 @@ def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monk
     run one, or the first long turn times a minute of compiling."""
     prompts, original = [], bench_module.run_decoder
 
-    def recording(name, medusa, ids, config, llama=None):
+    def recording(name, medusa, ids, config, llama=None, rival=None):
         prompts.append(len(ids))
-        return original(name, medusa, ids, config, llama)
+        return original(name, medusa, ids, config, llama, rival)
 
     monkeypatch.setattr(bench_module, "run_decoder", recording)
     benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
@@ -137,8 +137,8 @@ def test_repeat_counts_each_decoders_fastest_run_and_rotates_who_goes_first(tiny
     calls, original = [], bench_module.run_decoder
     round_seconds = (9.0, 1.0, 5.0)  # every decoder's run of the second round is its fastest
 
-    def timed(name, medusa, ids, config, llama=None):
-        out = original(name, medusa, ids, config, llama)
+    def timed(name, medusa, ids, config, llama=None, rival=None):
+        out = original(name, medusa, ids, config, llama, rival)
         out.seconds = round_seconds[len(calls) // len(DECODERS)]
         calls.append(name)
         return out
@@ -284,9 +284,14 @@ def test_cli_end_to_end(tmp_path, capsys):
     tokenizer.save_pretrained(model_dir)
     questions = write_questions(tmp_path / "q.jsonl", QUESTIONS)
     out, png = tmp_path / "r.json", tmp_path / "r.png"
+    hydra = random_heads(tiny_model("llama"), num_heads=2, kind="hydra")
+    hydra.save_pretrained(tmp_path / "hydra")
     main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
-          "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1"])
+          "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1",
+          "--rival-heads", str(tmp_path / "hydra")])
     report = json.loads(out.read_text())
+    assert report["config"]["kind"] == "medusa" and report["config"]["rival_kind"] == "hydra"
+    assert report["config"]["rival_heads"] == str(tmp_path / "hydra") and "rival" in report["overall"]
     assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
     assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
     assert report["config"]["heads_trained"] is False and "medusa" not in report["config"]
@@ -294,6 +299,28 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert png.read_bytes()[:4] == b"\x89PNG"
     captured = capsys.readouterr()
     assert "coding" in captured.out and "heads: UNTRAINED" in captured.err
+
+
+def test_rival_heads_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_path, monkeypatch):
+    hydra = MedusaModel(tiny.model, tiny.tokenizer, random_heads(tiny.model, num_heads=3, kind="hydra"), Tree.from_spec(TREE))
+    report = benchmark(tiny, questions[:2], GenerationConfig(max_new_tokens=TOKENS), progress=False, rival=hydra)
+    assert report["lossless"] is True and all("rival" in turn for turn in report["turns"])
+    rival, totals, speed = report["overall"]["rival"], report["overall"]["totals"], report["overall"]["tokens_per_s"]
+    assert rival["acceleration_rate"] == pytest.approx(totals["rival"]["new_tokens"] / totals["rival"]["steps"])
+    assert rival["speedup"] == pytest.approx(speed["rival"] / speed["plain"])
+    assert rival["speedup_vs_medusa"] == pytest.approx(speed["rival"] / speed["medusa"])
+    assert len(report["rival_heads_accuracy"]["top1"]) == 3
+    assert "rival tok/s" in table(report) and "rival heads on these answers" in table(report)
+    plot(report, tmp_path / "r.png")
+    generate = hydra.generate
+    monkeypatch.setattr(hydra, "generate", lambda ids, config: replace_tokens(generate(ids, config=config)))
+    assert benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
+                     rival=hydra)["lossless"] is False
+
+
+def replace_tokens(out):
+    out.token_ids = out.token_ids[:-1] + [(out.token_ids[-1] + 1) % 90]
+    return out
 
 
 class FakeLlama:

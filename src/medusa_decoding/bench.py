@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from . import llamacpp
 from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptance, greedy_trees, measure_accuracy,
-                        measure_step_latency)
+                        measure_step_latency, read_accuracy)
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
 from .guard import Ladder
@@ -32,8 +32,9 @@ from .model import GenerationOutput, MedusaModel
 from .tree import Tree
 
 DECODERS = ("medusa", "plain", "transformers")
-LLAMA_CPP = "llama.cpp"  # a fourth decoder where `benchmark` is given a llama.cpp model
-ORDER = DECODERS + (LLAMA_CPP,)  # how reports list the decoders that ran
+RIVAL = "rival"  # MEDUSA with other heads on the same model (hydra against MEDUSA), where `benchmark` is given them
+LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
+ORDER = DECODERS + (RIVAL, LLAMA_CPP)  # how reports list the decoders that ran
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
@@ -139,7 +140,9 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 
 
 def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig,
-                llama=None) -> GenerationOutput:
+                llama=None, rival: MedusaModel | None = None) -> GenerationOutput:
+    if name == RIVAL:
+        return rival.generate(ids, config=config)
     if name == "transformers":
         return hf_generate(medusa, ids, config)
     if name == LLAMA_CPP:
@@ -150,16 +153,16 @@ def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: Gener
 
 
 def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int,
-                llama=None, repeat: int = 1) -> dict[str, GenerationOutput]:
+                llama=None, repeat: int = 1, rival: MedusaModel | None = None) -> dict[str, GenerationOutput]:
     """Every decoder on one prompt, `repeat` rounds, their order rotated by `turn` and the round so none always runs
     first; each decoder's fastest run counts (another process on a shared machine only ever slows a run down:
     the same 256-token answer timed 4.7 and 4.4 s a minute apart on a 2-core EPYC)."""
-    names = DECODERS + ((LLAMA_CPP,) if llama is not None else ())
+    names = DECODERS + ((RIVAL,) if rival is not None else ()) + ((LLAMA_CPP,) if llama is not None else ())
     fastest: dict[str, GenerationOutput] = {}
     for round_ in range(repeat):
         shift = (turn + round_) % len(names)
         for name in names[shift:] + names[:shift]:
-            out = run_decoder(name, medusa, ids, config, llama)
+            out = run_decoder(name, medusa, ids, config, llama, rival)
             if name not in fastest or out.seconds < fastest[name].seconds:
                 fastest[name] = out
     return fastest
@@ -169,8 +172,11 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 
 
 def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True,
-              accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = (), llama=None, repeat: int = 1) -> dict:
+              accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = (), llama=None, repeat: int = 1,
+              rival: MedusaModel | None = None) -> dict:
     """Runs every turn with each decoder, `repeat` times (the fastest run counts); returns the report (see `report`).
+
+    rival: MEDUSA with other heads on the same model (MedusaModel.with_heads): a decoder of its own.
 
     llama: a llama.cpp model (llamacpp.load) of the same GGUF file: a fourth decoder (greedy only), and the step
     latency of both engines over STEP_TOKENS tokens in the report.
@@ -193,12 +199,12 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
     # compiled kernels: a prefill over more than MAX_ROWS tokens (stock linears) compiles a graph of its own
     for ids in (warmup, warmup.repeat(MAX_ROWS // len(warmup) + 1)):
-        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama)
+        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rival=rival)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
     # compiled kernels compile a pass size on its first call: never on the clock (nor a tree the guard picks later)
-    ladder = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
-              for tree in medusa.trees.trees] if len(medusa.trees.trees) > 1 else []
+    ladder = [MedusaModel(view.model, view.tokenizer, view.heads, tree, view.kernels)
+              for view in (medusa, rival) if view is not None and len(view.trees.trees) > 1 for tree in view.trees.trees]
     for view in swept + ladder:
         view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
@@ -209,7 +215,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         for number, text in enumerate(question.turns):
             history.append({"role": "user", "content": text})
             ids = medusa.encode(messages=history)
-            outputs = answer_turn(medusa, ids, config, len(turns), llama, repeat)
+            outputs = answer_turn(medusa, ids, config, len(turns), llama, repeat, rival)
             turns.append((question, number, len(ids), outputs))
             for view, outs in zip(swept, sweep_outputs):
                 outs.append(view.generate(ids, config=config))
@@ -221,15 +227,19 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     if llama is not None:
         result["step_latency_ms"] = step_latency(medusa, llama, turns)
     result["heads_accuracy"] = heads_accuracy(medusa, conversations, result["overall"]["new_tokens"])
+    if rival is not None:
+        result["rival_heads_accuracy"] = heads_accuracy(rival, conversations, result["overall"]["new_tokens"])
     vocab = getattr(guess_projection(medusa.model), "rows", None)  # the tokens the heads guess from; None: all
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
                             num_heads=medusa.heads.config.num_heads, tree=[list(path) for path in medusa.tree.paths],
                             guess_vocab=None if vocab is None else len(vocab), repeat=repeat)
     if accuracy is not None:
-        decoders = [(name, trees, [outputs[name] for *_, outputs in turns])
+        decoders = [(name, medusa, accuracy, trees, [outputs[name] for *_, outputs in turns])
                     for name, trees in (("plain", Ladder.fixed(PLAIN)), ("medusa", medusa.trees))]
-        decoders += [("sweep", view.trees, outs) for view, outs in zip(swept, sweep_outputs)]
-        result["prediction"] = predictions(medusa, accuracy, decoders, turns)
+        if rival is not None and (rival_accuracy := read_accuracy(rival.heads_dir)) is not None:
+            decoders.append((RIVAL, rival, rival_accuracy.accuracy, rival.trees, [outputs[RIVAL] for *_, outputs in turns]))
+        decoders += [("sweep", view, accuracy, view.trees, outs) for view, outs in zip(swept, sweep_outputs)]
+        result["prediction"] = predictions(decoders, turns)
     return result
 
 
@@ -268,18 +278,19 @@ def spanning_contexts(turns: list) -> tuple[int, ...]:
     return tuple(sorted({low, (low + high) // 2, high}))
 
 
-def predictions(medusa: MedusaModel, accuracy: torch.Tensor, decoders: list, turns: list) -> list[dict]:
+def predictions(decoders: list, turns: list) -> list[dict]:
     """The calibration model against the run, per decoder, overall and per category. Each step is predicted at its
     own tree and context: tokens 1 + the tree's expected acceptance under the accuracy table, seconds its step
     latency timed now (the trees taking turns) at contexts spanning the run's, interpolated. Measured: the decode
     phase (every step after the prefill). A tree cut at the token budget's end (a turn's last few steps) counts as
     the decoder's tree nearest in size.
 
-    decoders: (name, Ladder of the trees it may use, its outputs on every turn).
+    decoders: (name, its MedusaModel, its heads' accuracy table [K, S], Ladder of the trees it may use, its outputs on
+    every turn).
     """
     config = replace(CALIBRATION, latency_contexts=spanning_contexts(turns))
     rows = []
-    for name, trees, outputs in decoders:
+    for name, medusa, accuracy, trees, outputs in decoders:
         measured = list(trees.trees)
         contexts, latency = measure_step_latency(medusa, measured, config)
         timed = replace(trees, contexts=tuple(contexts), latency_s=tuple(map(tuple, latency)))
@@ -328,7 +339,14 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         for name, out in turn.items():
             totals[name].add(out)
     medusa, plain, hf = (totals[name] for name in DECODERS)
-    llama = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
+    extra = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
+    if RIVAL in totals:
+        rival = totals[RIVAL]
+        extra[RIVAL] = {"acceleration_rate": ratio(rival.new_tokens, rival.steps),
+                        "overhead": ratio(rival.seconds_per_step, plain.seconds_per_step),
+                        "speedup": ratio(rival.tokens_per_s, plain.tokens_per_s),
+                        "speedup_vs_transformers": ratio(rival.tokens_per_s, hf.tokens_per_s),
+                        "speedup_vs_medusa": ratio(rival.tokens_per_s, medusa.tokens_per_s)}
     trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
         "turns": len(outputs),
@@ -336,7 +354,7 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "overhead": ratio(medusa.seconds_per_step, plain.seconds_per_step),
         "speedup": ratio(medusa.tokens_per_s, plain.tokens_per_s),
         "speedup_vs_transformers": ratio(medusa.tokens_per_s, hf.tokens_per_s),
-        **llama,
+        **extra,
         "tokens_per_s": {name: t.tokens_per_s for name, t in totals.items()},
         "new_tokens": medusa.new_tokens,
         "steps": medusa.steps,
@@ -357,7 +375,8 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
     return {
         "overall": summary([outputs for *_, outputs in turns]),
         "categories": {name: summary(outputs) for name, outputs in by_category.items()},
-        "lossless": all(o["medusa"].token_ids == o["plain"].token_ids for *_, o in turns) if greedy else None,
+        "lossless": all(o[name].token_ids == o["plain"].token_ids for *_, o in turns for name in ("medusa", RIVAL)
+                        if name in o) if greedy else None,
         "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
@@ -377,27 +396,36 @@ def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
               f"{'tokens/step':>11} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
-    llama = "speedup_vs_llama_cpp" in report["overall"]
-    rows = [header + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
+    llama, rival = "speedup_vs_llama_cpp" in report["overall"], RIVAL in report["overall"]
+    rows = [header + (f" {'rival tok/s':>11} {'tokens/step':>11} {'speedup':>8} {'vs HF':>6}" if rival else "")
+            + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
         speed = s["tokens_per_s"]
         rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
                     f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['mean_tree_size']:>5.1f} "
                     f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
                     f"{s['speedup_vs_transformers']:>5.2f}x"
+                    + (f" {speed[RIVAL]:>11.1f} {s[RIVAL]['acceleration_rate']:>11.2f} {s[RIVAL]['speedup']:>7.2f}x "
+                       f"{s[RIVAL]['speedup_vs_transformers']:>5.2f}x" if rival else "")
                     + (f" {speed[LLAMA_CPP]:>15.1f} {s['speedup_vs_llama_cpp']:>11.2f}x" if llama else ""))
     rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
                 "guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
-    rows.append(f"lossless (greedy MEDUSA == plain on every turn): {lossless}; device: {report['device']}")
+    rows.append(f"lossless (greedy MEDUSA{' and rival' if rival else ''} == plain on every turn): {lossless}; device: "
+                f"{report['device']}")
+    if rival:
+        rows.append(f"rival: MEDUSA with the heads {report['config'].get('rival_heads')} (kind "
+                    f"{report['config'].get('rival_kind')}), on the same model")
     if "step_latency_ms" in report:
         steps = report["step_latency_ms"]
         rows.append(f"step latency (ms, median) at a {steps['context']}-token context, by tokens in the pass: "
                     + ", ".join(f"{n}: MEDUSA engine {a:.1f}, llama.cpp {b:.1f}"
                                 for n, a, b in zip(steps["tokens"], steps["medusa_engine"], steps[LLAMA_CPP])))
-    accuracy = report["heads_accuracy"]
-    rows.append("heads on these answers (teacher-forced), top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"])
-                + "; top-5: " + " ".join(f"{a:.3f}" for a in accuracy["top5"]))
+    for label, key in (("heads", "heads_accuracy"), ("rival heads", "rival_heads_accuracy")):
+        if key in report:
+            rows.append(f"{label} on these answers (teacher-forced), top-1: "
+                        + " ".join(f"{a:.3f}" for a in report[key]["top1"])
+                        + "; top-5: " + " ".join(f"{a:.3f}" for a in report[key]["top5"]))
     if "prediction" in report:
         rows.append("\nthe calibration's prediction against the decode phase (steps after the prefill), each step at its "
                     "own tree and context")

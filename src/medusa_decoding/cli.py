@@ -6,7 +6,7 @@ import sys
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
-from .config import LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
+from .config import HEAD_KINDS, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
 from .kernels import KERNELS
 
 DEFAULTS = GenerationConfig()
@@ -226,11 +226,15 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
+    rival = medusa.with_heads(args.rival_heads) if args.rival_heads else None
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
-                       llama=llama, repeat=args.repeat)
+                       llama=llama, repeat=args.repeat, rival=rival)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
-                            heads_trained=heads_trained(medusa.heads))
+                            heads_trained=heads_trained(medusa.heads), kind=medusa.heads.config.kind)
+    if rival is not None:
+        report["config"].update(rival_heads=args.rival_heads, rival_kind=rival.heads.config.kind,
+                                rival_tree=[list(path) for path in rival.tree.paths])
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
@@ -297,6 +301,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags named after TrainConfig's fields (dest), defaults from it."""
     add = parser.add_argument
     add("--mode", choices=TRAIN_MODES, default=TRAIN.mode, help="medusa1: frozen backbone; medusa2: LoRA backbone too")
+    add("--kind", choices=HEAD_KINDS, default=TRAIN.kind,
+        help="medusa: heads on the last hidden state; hydra: they also read the tokens before their guess")
     add("--num-heads", type=int, default=TRAIN.num_heads)
     add("--num-layers", type=int, default=TRAIN.num_layers)
     add("--projection", choices=PROJECTIONS, default=TRAIN.projection)
@@ -315,6 +321,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--lora-r", type=int, default=TRAIN.lora_r)
     add("--lora-alpha", type=int, default=TRAIN.lora_alpha)
     add("--lora-dropout", type=float, default=TRAIN.lora_dropout)
+    add("--guess-vocab", type=int, default=TRAIN.guess_vocab,
+        help="medusa1, shared projection: rank the N tokens the answers use most in the heads' loss (0: all; 4096 "
+             "makes a CPU step ~2.5x faster)")
     add("--quantize", choices=QUANTIZATIONS, default=TRAIN.quantize, help="medusa1: frozen backbone in 8/4 bit (GPU)")
     add("--bf16", action="store_true", help="backbone in bfloat16, mixed-precision training")
     add("--eval-fraction", type=float, default=TRAIN.eval_fraction, help="held out for per-head accuracy")
@@ -422,6 +431,9 @@ def main(argv=None) -> None:
                    "runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
+    p.add_argument("--rival-heads", metavar="DIR",
+                   help="also run MEDUSA with these heads (e.g. hydra ones, with their own calibrated --tree auto) on the "
+                   "same model, side by side; calibrate both on the same data (the guess vocabulary is the model's)")
     p.add_argument("--concurrency", metavar="N,N,...",
                    help="instead: the server under load over HTTP, e.g. 1,4,8,16 concurrent clients (first turns as "
                    "prompts): MEDUSA and plain batching against one request at a time; tokens/s, latency, errors")

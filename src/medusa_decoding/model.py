@@ -136,20 +136,27 @@ class MedusaModel:
         if heads is None and model is not None and formats.holds_medusa2_heads(model):
             heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
-        given = None if tree == "auto" else tree
         if heads_dir is not None and not merged and (heads_dir / ADAPTER_NAME / "adapter_config.json").is_file():
             base = with_adapter(base, heads_dir / ADAPTER_NAME)  # MEDUSA-2 heads see the fine-tuned backbone
-        if heads_dir is not None:
-            # the base's vocab: heads sharing its LM head in the reference layout record none
-            heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
-            if given is None and (heads_dir / TREE_NAME).is_file():
-                given = json.loads((heads_dir / TREE_NAME).read_text())
         if heads is None:
             config = base.config.get_text_config()
             heads = MedusaHeads(
                 HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection, base.name_or_path),
                 base.get_output_embeddings(),
             )
+        return cls.assemble(base, tokenizer, heads, tree, kernels)
+
+    @classmethod
+    def assemble(cls, base: PreTrainedModel, tokenizer, heads: str | os.PathLike | MedusaHeads, tree, kernels: str
+                 ) -> "MedusaModel":
+        """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained)."""
+        heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
+        given = None if tree == "auto" else tree
+        if heads_dir is not None:
+            # the base's vocab: heads sharing its LM head in the reference layout record none
+            heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
+            if given is None and (heads_dir / TREE_NAME).is_file():
+                given = json.loads((heads_dir / TREE_NAME).read_text())
         medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
                      kernels)
         medusa.heads_dir = heads_dir
@@ -162,6 +169,11 @@ class MedusaModel:
                 if tree == "auto":
                     medusa.trees = auto_tree(medusa, heads_dir, calibration)  # after the kernels: they set the latency
         return medusa
+
+    def with_heads(self, heads: str | os.PathLike, tree="auto") -> "MedusaModel":
+        """Other heads on this base model, its weights and kernels shared (`medusa bench --rival-heads`). The guess
+        vocabulary is the model's: the one these heads were calibrated with from then on."""
+        return self.assemble(self.model, self.tokenizer, heads, tree, self.kernels)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """The heads (safetensors + config.json) and the tree they decode with."""
