@@ -123,9 +123,9 @@ def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monk
     run one, or the first long turn times a minute of compiling."""
     prompts, original = [], bench_module.run_decoder
 
-    def recording(name, medusa, ids, config, llama=None, rival=None):
+    def recording(name, medusa, ids, config, llama=None, rivals=None):
         prompts.append(len(ids))
-        return original(name, medusa, ids, config, llama, rival)
+        return original(name, medusa, ids, config, llama, rivals)
 
     monkeypatch.setattr(bench_module, "run_decoder", recording)
     benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
@@ -137,8 +137,8 @@ def test_repeat_counts_each_decoders_fastest_run_and_rotates_who_goes_first(tiny
     calls, original = [], bench_module.run_decoder
     round_seconds = (9.0, 1.0, 5.0)  # every decoder's run of the second round is its fastest
 
-    def timed(name, medusa, ids, config, llama=None, rival=None):
-        out = original(name, medusa, ids, config, llama, rival)
+    def timed(name, medusa, ids, config, llama=None, rivals=None):
+        out = original(name, medusa, ids, config, llama, rivals)
         out.seconds = round_seconds[len(calls) // len(DECODERS)]
         calls.append(name)
         return out
@@ -288,10 +288,13 @@ def test_cli_end_to_end(tmp_path, capsys):
     hydra.save_pretrained(tmp_path / "hydra")
     main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
           "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1",
-          "--rival-heads", str(tmp_path / "hydra")])
+          "--rival", f"hydra={tmp_path / 'hydra'}", "--rival", "sure=@confident:3"])
     report = json.loads(out.read_text())
-    assert report["config"]["kind"] == "medusa" and report["config"]["rival_kind"] == "hydra"
-    assert report["config"]["rival_heads"] == str(tmp_path / "hydra") and "rival" in report["overall"]
+    assert report["config"]["kind"] == "medusa"
+    assert report["config"]["rivals"] == {
+        "hydra": {"heads": str(tmp_path / "hydra"), "kind": "hydra", "tree": "auto", "confident": False},
+        "sure": {"heads": "None", "kind": "medusa", "tree": "confident:3", "confident": True}}
+    assert set(report["overall"]["rivals"]) == {"hydra", "sure"}
     assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
     assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
     assert report["config"]["heads_trained"] is False and "medusa" not in report["config"]
@@ -301,21 +304,27 @@ def test_cli_end_to_end(tmp_path, capsys):
     assert "coding" in captured.out and "heads: UNTRAINED" in captured.err
 
 
-def test_rival_heads_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_path, monkeypatch):
-    hydra = MedusaModel(tiny.model, tiny.tokenizer, random_heads(tiny.model, num_heads=3, kind="hydra"), Tree.from_spec(TREE))
-    report = benchmark(tiny, questions[:2], GenerationConfig(max_new_tokens=TOKENS), progress=False, rival=hydra)
-    assert report["lossless"] is True and all("rival" in turn for turn in report["turns"])
-    rival, totals, speed = report["overall"]["rival"], report["overall"]["totals"], report["overall"]["tokens_per_s"]
-    assert rival["acceleration_rate"] == pytest.approx(totals["rival"]["new_tokens"] / totals["rival"]["steps"])
-    assert rival["speedup"] == pytest.approx(speed["rival"] / speed["plain"])
-    assert rival["speedup_vs_medusa"] == pytest.approx(speed["rival"] / speed["medusa"])
-    assert len(report["rival_heads_accuracy"]["top1"]) == 3
-    assert "rival tok/s" in table(report) and "rival heads on these answers" in table(report)
+def test_rivals_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_path, monkeypatch):
+    hydra = tiny.with_heads(random_heads(tiny.model, num_heads=3, kind="hydra"), Tree.from_spec(TREE))
+    sure = tiny.with_heads(tiny.heads, "confident:4")
+    rivals = {"hydra": hydra, "sure": sure}
+    report = benchmark(tiny, questions[:2], GenerationConfig(max_new_tokens=TOKENS), progress=False, rivals=rivals)
+    assert report["lossless"] is True and all({"hydra", "sure"} <= set(turn) for turn in report["turns"])
+    totals, speed = report["overall"]["totals"], report["overall"]["tokens_per_s"]
+    assert list(speed) == ["medusa", "plain", "transformers", "hydra", "sure"]
+    for name in rivals:
+        rival = report["overall"]["rivals"][name]
+        assert rival["acceleration_rate"] == pytest.approx(totals[name]["new_tokens"] / totals[name]["steps"])
+        assert rival["speedup"] == pytest.approx(speed[name] / speed["plain"])
+        assert rival["speedup_vs_medusa"] == pytest.approx(speed[name] / speed["medusa"])
+    assert list(report["rival_heads_accuracy"]) == ["hydra"]  # sure's heads are MEDUSA's own
+    text = table(report)
+    assert "hydra's heads on these answers" in text and "sure " in text and "every rival" in text
     plot(report, tmp_path / "r.png")
     generate = hydra.generate
     monkeypatch.setattr(hydra, "generate", lambda ids, config: replace_tokens(generate(ids, config=config)))
     assert benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
-                     rival=hydra)["lossless"] is False
+                     rivals={"hydra": hydra})["lossless"] is False
 
 
 def replace_tokens(out):

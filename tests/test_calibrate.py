@@ -293,7 +293,15 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
         raise AssertionError("the cached fit must be used")
 
     monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
-    assert MedusaModel.from_pretrained(base, heads).tree is tree
+    auto = MedusaModel.from_pretrained(base, heads).trees
+    assert auto.tree is tree and not auto.confident
+    confident = MedusaModel.from_pretrained(base, heads, tree="confident").trees  # the same sizes, each step's likeliest
+    assert confident.confident and confident.trees == auto.trees
+    fixed = MedusaModel.from_pretrained(base, heads, tree="confident:5").trees
+    assert fixed.confident and [t.num_nodes for t in fixed.trees] == [6]
+    for bad in ("confident:0", "confident:x", "auto:3", "likeliest"):
+        with pytest.raises(ValueError, match="tree: expected 'auto', 'confident' or 'confident:N'"):
+            MedusaModel.from_pretrained(base, heads, tree=bad)
     assert MedusaModel.from_pretrained(base, heads, tree=None).tree == Tree.from_spec([[0], [1], [2]])
     monkeypatch.setattr(calibrate, "code_digest", lambda: "other kernels")  # latencies timed on other code: refit
     with pytest.raises(AssertionError, match="the cached fit must be used"):

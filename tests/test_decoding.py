@@ -20,6 +20,7 @@ from medusa_decoding import MedusaModel, decoding
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
+from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
 
@@ -305,3 +306,42 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
         sub, _ = decoding.propose(heads, lm_head, embed, hidden, root, small, tree)
         assert sub.tolist() == [root] + [int(tokens[tree.paths.index(p) + 1]) for p in small.paths]
     assert len({tuple(guesses[path]) for path in tree.paths if len(path) == 1 and path in guesses}) > 1  # paths matter
+
+
+@pytest.mark.parametrize("size", [3, 8])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle"])
+def test_confident_trees_are_lossless(family, heads, size):
+    c = case(family)
+    ladder = Ladder.fixed(Tree.from_spec([size]), confident=True)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
+    steps = [new for new, _ in decode(c.model, c.heads(heads), PROMPT, config, ladder)]
+    assert flat(steps) == c.reference
+    if heads.endswith("oracle"):  # the oracle is sure of its right guesses: the likeliest nodes run deep
+        assert tokens_per_step(steps) > MIN_TOKENS_PER_STEP
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_confident_tree_holds_the_likeliest_paths(kind):
+    """Against brute force: every path of up to 3 heads' top-4 tokens, scored by the product of the heads'
+    probabilities along it (a hydra head's given the path before it); the tree holds the 4 best."""
+    c = case("llama")
+    heads = random_heads(c.model, num_heads=3, kind=kind)
+    lm_head, embed = c.model.get_output_embeddings(), c.model.get_input_embeddings()
+    hidden, root, size = torch.randn(c.model.config.hidden_size), 7, 4
+    scores = {}
+    with torch.no_grad():
+        tree, tokens, (tops, ranked) = decoding.propose_confident(heads, lm_head, embed, hidden, root, size, size)
+
+        def walk(path, chain, score):
+            if len(path) == 3:
+                return
+            probs = heads(hidden[None], lm_head, len(path) + 1, embed(torch.tensor(chain))[None], first=len(path))[0, 0]
+            probs = probs.softmax(-1)
+            for rank, token in enumerate(probs.topk(size).indices.tolist()):
+                scores[path + (rank,)] = (score * float(probs[token]), chain + [token])
+                walk(path + (rank,), chain + [token], scores[path + (rank,)][0])
+
+        walk((), [root], 1.0)
+    best = sorted(scores, key=lambda p: -scores[p][0])[:size]
+    assert set(tree.paths) == set(best) and ranked == best
+    assert tokens.tolist() == [root] + [scores[p][1][-1] for p in tree.paths]

@@ -2,6 +2,7 @@
 against real verification; the trees it picks from what a request shows (plain steps where the heads are wrong,
 large trees where they are right, the faster tree where one runs slow); output that stays exactly greedy."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -108,29 +109,29 @@ def test_yields_by_hand():
     assert yields(guesses, [7, 5], first, 8) == [2, 2, 3, 3, 3, 3, 3, 3]  # the end of the answer
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, monkeypatch, kind):
+@pytest.mark.parametrize("kind, confident", [("medusa", False), ("hydra", False), ("medusa", True), ("hydra", True)])
+def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, monkeypatch, kind, confident):
     """For every step the guard watched, decode again from the prompt up to that step's root with each tree of the
     ladder: the tokens its first verification yields are the ones the guard counted for that tree (hydra heads: from
     the guesses of each node of the ladder's largest tree, path by path)."""
     model, reference, oracle = llama
     oracle = OracleHeads(model, oracle.sequence, kind=kind)
-    ladder = make_ladder()
+    ladder = replace(make_ladder(), confident=confident)  # confident: each size's likeliest nodes, step by step
     seen = []
     count = Guard.count_tokens
 
-    def watched(guard, start, guesses):
-        seen.append((start, yields(guesses, guard.generated[start:], guard.first, len(ladder.trees))))
-        count(guard, start, guesses)
+    def watched(guard, start, guesses, first=None):
+        seen.append((start, yields(guesses, guard.generated[start:], first or guard.first, len(ladder.trees))))
+        count(guard, start, guesses, first)
 
     monkeypatch.setattr(Guard, "count_tokens", watched)
     sizes_used(model, oracle, ladder, reference)
     assert len(seen) > 20 and any(len(set(ys)) > 2 for _, ys in seen)  # trees that differ in what they yield
-    config = GenerationConfig(max_new_tokens=ladder.trees[-1].depth + 2)
+    config = GenerationConfig(max_new_tokens=oracle.config.num_heads + 2)  # no tree cut at the budget
     for start, ys in seen[::3]:
         prompt = torch.cat([PROMPT, torch.tensor(reference[: start - 1], dtype=torch.long)])  # root: reference[start-1]
         for tree, expected in zip(ladder.trees, ys):
-            (root, _), (step, size), *_ = decode(model, oracle, prompt, config, tree)
+            (root, _), (step, size), *_ = decode(model, oracle, prompt, config, Ladder.fixed(tree, confident))
             assert root == reference[start - 1:start] and size == tree.num_nodes - 1
             assert len(step) == expected, (start, tree.paths)
 

@@ -111,6 +111,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -
     ("engine", {"top_k": 4, "top_p": 0.8}),
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
+    ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
 ])
@@ -122,6 +123,8 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
+    if verifier.endswith("confident trees"):
+        tree = Ladder.fixed(tree, confident=True)
     if verifier.endswith("sampled tokens"):
         trees = (PLAIN, Tree.from_spec([[0]]), Tree.from_spec([[0], [1]]), tree)  # each holding the ones before
         tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))

@@ -32,9 +32,7 @@ from .model import GenerationOutput, MedusaModel
 from .tree import Tree
 
 DECODERS = ("medusa", "plain", "transformers")
-RIVAL = "rival"  # MEDUSA with other heads on the same model (hydra against MEDUSA), where `benchmark` is given them
 LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
-ORDER = DECODERS + (RIVAL, LLAMA_CPP)  # how reports list the decoders that ran
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
@@ -140,9 +138,9 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 
 
 def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig,
-                llama=None, rival: MedusaModel | None = None) -> GenerationOutput:
-    if name == RIVAL:
-        return rival.generate(ids, config=config)
+                llama=None, rivals: dict[str, MedusaModel] | None = None) -> GenerationOutput:
+    if rivals and name in rivals:
+        return rivals[name].generate(ids, config=config)
     if name == "transformers":
         return hf_generate(medusa, ids, config)
     if name == LLAMA_CPP:
@@ -153,16 +151,16 @@ def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: Gener
 
 
 def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int,
-                llama=None, repeat: int = 1, rival: MedusaModel | None = None) -> dict[str, GenerationOutput]:
+                llama=None, repeat: int = 1, rivals: dict[str, MedusaModel] | None = None) -> dict[str, GenerationOutput]:
     """Every decoder on one prompt, `repeat` rounds, their order rotated by `turn` and the round so none always runs
     first; each decoder's fastest run counts (another process on a shared machine only ever slows a run down:
     the same 256-token answer timed 4.7 and 4.4 s a minute apart on a 2-core EPYC)."""
-    names = DECODERS + ((RIVAL,) if rival is not None else ()) + ((LLAMA_CPP,) if llama is not None else ())
+    names = DECODERS + tuple(rivals or ()) + ((LLAMA_CPP,) if llama is not None else ())
     fastest: dict[str, GenerationOutput] = {}
     for round_ in range(repeat):
         shift = (turn + round_) % len(names)
         for name in names[shift:] + names[:shift]:
-            out = run_decoder(name, medusa, ids, config, llama, rival)
+            out = run_decoder(name, medusa, ids, config, llama, rivals)
             if name not in fastest or out.seconds < fastest[name].seconds:
                 fastest[name] = out
     return fastest
@@ -173,10 +171,11 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 
 def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True,
               accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = (), llama=None, repeat: int = 1,
-              rival: MedusaModel | None = None) -> dict:
+              rivals: dict[str, MedusaModel] | None = None) -> dict:
     """Runs every turn with each decoder, `repeat` times (the fastest run counts); returns the report (see `report`).
 
-    rival: MEDUSA with other heads on the same model (MedusaModel.with_heads): a decoder of its own.
+    rivals: {name: MEDUSA with other heads or another tree on the same model (MedusaModel.with_heads)}: decoders of
+    their own (hydra heads against MEDUSA heads, confidence-driven trees against fixed ones), side by side.
 
     llama: a llama.cpp model (llamacpp.load) of the same GGUF file: a fourth decoder (greedy only), and the step
     latency of both engines over STEP_TOKENS tokens in the report.
@@ -199,12 +198,12 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
     # compiled kernels: a prefill over more than MAX_ROWS tokens (stock linears) compiles a graph of its own
     for ids in (warmup, warmup.repeat(MAX_ROWS // len(warmup) + 1)):
-        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rival=rival)
+        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rivals=rivals)
     swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
              for tree in greedy_trees(accuracy, sweep)] if sweep else []
     # compiled kernels compile a pass size on its first call: never on the clock (nor a tree the guard picks later)
     ladder = [MedusaModel(view.model, view.tokenizer, view.heads, tree, view.kernels)
-              for view in (medusa, rival) if view is not None and len(view.trees.trees) > 1 for tree in view.trees.trees]
+              for view in (medusa, *(rivals or {}).values()) if len(view.trees.trees) > 1 for tree in view.trees.trees]
     for view in swept + ladder:
         view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
@@ -215,7 +214,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         for number, text in enumerate(question.turns):
             history.append({"role": "user", "content": text})
             ids = medusa.encode(messages=history)
-            outputs = answer_turn(medusa, ids, config, len(turns), llama, repeat, rival)
+            outputs = answer_turn(medusa, ids, config, len(turns), llama, repeat, rivals)
             turns.append((question, number, len(ids), outputs))
             for view, outs in zip(swept, sweep_outputs):
                 outs.append(view.generate(ids, config=config))
@@ -227,8 +226,12 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     if llama is not None:
         result["step_latency_ms"] = step_latency(medusa, llama, turns)
     result["heads_accuracy"] = heads_accuracy(medusa, conversations, result["overall"]["new_tokens"])
-    if rival is not None:
-        result["rival_heads_accuracy"] = heads_accuracy(rival, conversations, result["overall"]["new_tokens"])
+    measured = {id(medusa.heads)}
+    for name, view in (rivals or {}).items():  # each other set of heads once
+        if id(view.heads) not in measured:
+            measured.add(id(view.heads))
+            result.setdefault("rival_heads_accuracy", {})[name] = heads_accuracy(view, conversations,
+                                                                                  result["overall"]["new_tokens"])
     vocab = getattr(guess_projection(medusa.model), "rows", None)  # the tokens the heads guess from; None: all
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
                             num_heads=medusa.heads.config.num_heads, tree=[list(path) for path in medusa.tree.paths],
@@ -236,8 +239,9 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     if accuracy is not None:
         decoders = [(name, medusa, accuracy, trees, [outputs[name] for *_, outputs in turns])
                     for name, trees in (("plain", Ladder.fixed(PLAIN)), ("medusa", medusa.trees))]
-        if rival is not None and (rival_accuracy := read_accuracy(rival.heads_dir)) is not None:
-            decoders.append((RIVAL, rival, rival_accuracy.accuracy, rival.trees, [outputs[RIVAL] for *_, outputs in turns]))
+        for name, view in (rivals or {}).items():
+            if view.heads_dir is not None and (calibrated := read_accuracy(view.heads_dir)) is not None:
+                decoders.append((name, view, calibrated.accuracy, view.trees, [outputs[name] for *_, outputs in turns]))
         decoders += [("sweep", view, accuracy, view.trees, outs) for view, outs in zip(swept, sweep_outputs)]
         result["prediction"] = predictions(decoders, turns)
     return result
@@ -332,21 +336,27 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def order(name: str) -> tuple:
+    """How reports list the decoders that ran: MEDUSA, plain, transformers, then the others by name."""
+    return (DECODERS.index(name) if name in DECODERS else len(DECODERS), name)
+
+
 def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     """The figures for some turns. speedup = acceleration_rate / overhead exactly: plain makes one token a step."""
-    totals = {name: Totals() for name in ORDER if name in outputs[0]}  # DECODERS, and llama.cpp where it ran
+    totals = {name: Totals() for name in sorted(outputs[0], key=order)}  # DECODERS, then rivals, llama.cpp where run
     for turn in outputs:
         for name, out in turn.items():
             totals[name].add(out)
     medusa, plain, hf = (totals[name] for name in DECODERS)
     extra = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
-    if RIVAL in totals:
-        rival = totals[RIVAL]
-        extra[RIVAL] = {"acceleration_rate": ratio(rival.new_tokens, rival.steps),
-                        "overhead": ratio(rival.seconds_per_step, plain.seconds_per_step),
-                        "speedup": ratio(rival.tokens_per_s, plain.tokens_per_s),
-                        "speedup_vs_transformers": ratio(rival.tokens_per_s, hf.tokens_per_s),
-                        "speedup_vs_medusa": ratio(rival.tokens_per_s, medusa.tokens_per_s)}
+    rivals = {name: t for name, t in totals.items() if name not in DECODERS + (LLAMA_CPP,)}
+    if rivals:
+        extra["rivals"] = {name: {"acceleration_rate": ratio(t.new_tokens, t.steps),
+                                  "overhead": ratio(t.seconds_per_step, plain.seconds_per_step),
+                                  "speedup": ratio(t.tokens_per_s, plain.tokens_per_s),
+                                  "speedup_vs_transformers": ratio(t.tokens_per_s, hf.tokens_per_s),
+                                  "speedup_vs_medusa": ratio(t.tokens_per_s, medusa.tokens_per_s)}
+                           for name, t in rivals.items()}
     trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
         "turns": len(outputs),
@@ -375,13 +385,13 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
     return {
         "overall": summary([outputs for *_, outputs in turns]),
         "categories": {name: summary(outputs) for name, outputs in by_category.items()},
-        "lossless": all(o[name].token_ids == o["plain"].token_ids for *_, o in turns for name in ("medusa", RIVAL)
-                        if name in o) if greedy else None,
+        "lossless": all(out.token_ids == o["plain"].token_ids for *_, o in turns for name, out in o.items()
+                        if name not in ("transformers", LLAMA_CPP)) if greedy else None,
         "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
              **{name: {"new_tokens": len(o.token_ids), "steps": o.steps, "seconds": o.seconds}
-                for name, o in sorted(outputs.items(), key=lambda item: ORDER.index(item[0]))}}
+                for name, o in sorted(outputs.items(), key=lambda item: order(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
         "config": {**{k: v for k, v in asdict(config).items() if k != "medusa"}, "rule": config.rule, "torch": torch.__version__, "transformers": transformers.__version__},
@@ -396,36 +406,38 @@ def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
               f"{'tokens/step':>11} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
-    llama, rival = "speedup_vs_llama_cpp" in report["overall"], RIVAL in report["overall"]
-    rows = [header + (f" {'rival tok/s':>11} {'tokens/step':>11} {'speedup':>8} {'vs HF':>6}" if rival else "")
-            + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
+    llama, rivals = "speedup_vs_llama_cpp" in report["overall"], list(report["overall"].get("rivals", {}))
+    rows = [header + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
         speed = s["tokens_per_s"]
         rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
                     f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['mean_tree_size']:>5.1f} "
                     f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
                     f"{s['speedup_vs_transformers']:>5.2f}x"
-                    + (f" {speed[RIVAL]:>11.1f} {s[RIVAL]['acceleration_rate']:>11.2f} {s[RIVAL]['speedup']:>7.2f}x "
-                       f"{s[RIVAL]['speedup_vs_transformers']:>5.2f}x" if rival else "")
                     + (f" {speed[LLAMA_CPP]:>15.1f} {s['speedup_vs_llama_cpp']:>11.2f}x" if llama else ""))
+    if rivals:
+        rows.append(f"\n{'rival':<22} {'category':<14} {'tok/s':>7} {'tokens/step':>11} {'overhead':>8} {'speedup':>8} "
+                    f"{'vs HF':>6} {'vs MEDUSA':>9}")
+        for rival in rivals:
+            for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
+                r = s["rivals"][rival]
+                rows.append(f"{rival[:22]:<22} {name[:14]:<14} {s['tokens_per_s'][rival]:>7.1f} "
+                            f"{r['acceleration_rate']:>11.2f} {r['overhead']:>8.2f} {r['speedup']:>7.2f}x "
+                            f"{r['speedup_vs_transformers']:>5.2f}x {r['speedup_vs_medusa']:>8.2f}x")
     rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
                 "guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
-    rows.append(f"lossless (greedy MEDUSA{' and rival' if rival else ''} == plain on every turn): {lossless}; device: "
-                f"{report['device']}")
-    if rival:
-        rows.append(f"rival: MEDUSA with the heads {report['config'].get('rival_heads')} (kind "
-                    f"{report['config'].get('rival_kind')}), on the same model")
+    rows.append(f"lossless (greedy MEDUSA{' and every rival' if rivals else ''} == plain on every turn): {lossless}; "
+                f"device: {report['device']}")
     if "step_latency_ms" in report:
         steps = report["step_latency_ms"]
         rows.append(f"step latency (ms, median) at a {steps['context']}-token context, by tokens in the pass: "
                     + ", ".join(f"{n}: MEDUSA engine {a:.1f}, llama.cpp {b:.1f}"
                                 for n, a, b in zip(steps["tokens"], steps["medusa_engine"], steps[LLAMA_CPP])))
-    for label, key in (("heads", "heads_accuracy"), ("rival heads", "rival_heads_accuracy")):
-        if key in report:
-            rows.append(f"{label} on these answers (teacher-forced), top-1: "
-                        + " ".join(f"{a:.3f}" for a in report[key]["top1"])
-                        + "; top-5: " + " ".join(f"{a:.3f}" for a in report[key]["top5"]))
+    for label, accuracy in [("heads", report["heads_accuracy"]),
+                            *((f"{name}'s heads", a) for name, a in report.get("rival_heads_accuracy", {}).items())]:
+        rows.append(f"{label} on these answers (teacher-forced), top-1: " + " ".join(f"{a:.3f}" for a in accuracy["top1"])
+                    + "; top-5: " + " ".join(f"{a:.3f}" for a in accuracy["top5"]))
     if "prediction" in report:
         rows.append("\nthe calibration's prediction against the decode phase (steps after the prefill), each step at its "
                     "own tree and context")

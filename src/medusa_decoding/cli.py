@@ -22,7 +22,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
     if heads:
         parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
         parser.add_argument("--tree", default="auto", help="tree: JSON path list, Cartesian sizes, a JSON file, or auto "
-                            "(default: fitted to this device from the heads' calibration, else their tree.json)")
+                            "(default: fitted to this device from the heads' calibration, else their tree.json); "
+                            "confident: auto's sizes, each step's likeliest candidates under the heads' own "
+                            "probabilities; confident:N: N such candidates a step")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
                             help="kernels: auto (native on a CPU in float32 where it builds, else stock), stock, "
@@ -45,7 +47,7 @@ def load(args):
     from .model import MedusaModel
     from .tree import parse_spec
 
-    tree = parse_spec(args.tree) if args.tree not in (None, "auto") else args.tree
+    tree = parse_spec(args.tree) if args.tree is not None and args.tree.split(":")[0] not in ("auto", "confident") else args.tree
     return MedusaModel.from_pretrained(args.model, args.heads, tree=tree, kernels=args.kernels)
 
 
@@ -216,6 +218,7 @@ def cmd_bench(args) -> None:
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
     if any(n < 1 for n in sweep):
         raise ValueError(f"sweep: tree sizes must be positive integers, got {args.sweep!r}")
+    specs = rival_specs(args.rival)
     if args.llama_cpp is not None:
         llamacpp.require()
         if not args.llama_cpp and args.model:
@@ -226,21 +229,33 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    rival = medusa.with_heads(args.rival_heads) if args.rival_heads else None
+    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree) for name, heads, tree in specs}
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
-                       llama=llama, repeat=args.repeat, rival=rival)
+                       llama=llama, repeat=args.repeat, rivals=rivals)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads), kind=medusa.heads.config.kind)
-    if rival is not None:
-        report["config"].update(rival_heads=args.rival_heads, rival_kind=rival.heads.config.kind,
-                                rival_tree=[list(path) for path in rival.tree.paths])
+    report["config"]["rivals"] = {name: {"heads": str(view.heads_dir), "kind": view.heads.config.kind,
+                                         "tree": spec, "confident": view.trees.confident}
+                                  for (name, _, spec), view in zip(specs, rivals.values())}
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=1)
     if args.plot:
         plot(report, args.plot)
+
+
+def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str]]:
+    """--rival NAME=[DIR][@TREE] -> (name, heads directory or None, tree)."""
+    out = []
+    for spec in specs:
+        name, _, rest = spec.partition("=")
+        heads, _, tree = rest.partition("@")
+        if not name or not rest or name in ("medusa", "plain", "transformers", "llama.cpp") or name in {n for n, *_ in out}:
+            raise ValueError(f"--rival: NAME=[DIR][@TREE] with a new name, got {spec!r}")
+        out.append((name, heads or None, tree or "auto"))
+    return out
 
 
 def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
@@ -431,9 +446,11 @@ def main(argv=None) -> None:
                    "runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
-    p.add_argument("--rival-heads", metavar="DIR",
-                   help="also run MEDUSA with these heads (e.g. hydra ones, with their own calibrated --tree auto) on the "
-                   "same model, side by side; calibrate both on the same data (the guess vocabulary is the model's)")
+    p.add_argument("--rival", action="append", default=[], metavar="NAME=[DIR][@TREE]",
+                   help="also run MEDUSA with other heads (DIR; default: --heads') and/or another tree (auto, "
+                   "confident, confident:N; default auto) on the same model, side by side, e.g. hydra=heads/hydra "
+                   "or confident=@confident; repeatable. Calibrate all heads on the same data (the guess vocabulary "
+                   "is the model's)")
     p.add_argument("--concurrency", metavar="N,N,...",
                    help="instead: the server under load over HTTP, e.g. 1,4,8,16 concurrent clients (first turns as "
                    "prompts): MEDUSA and plain batching against one request at a time; tokens/s, latency, errors")

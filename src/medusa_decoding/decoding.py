@@ -102,6 +102,63 @@ def expand(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, 
     return tokens, tops
 
 
+def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, size: int, watched: int
+                      ) -> tuple[Tree, torch.Tensor, tuple[dict, list]]:
+    """Confidence-driven trees (EAGLE-2's idea, on draft heads): instead of a fixed shape, the `size` candidates whose
+    paths the heads themselves find likeliest (the product of each head's probability of its token along the path),
+    for either kind of heads. Level by level, the `watched` (>= size) likeliest nodes of each depth are expanded with
+    their `watched` likeliest children: a node among the `watched` likeliest of the whole tree has its parent among
+    them too (a child is never likelier than its parent), so nothing likelier is left out.
+
+    -> (the tree of `size` candidates, its tokens [size+1], guesses for the guard: ({node path: top-k after it}, the
+    `watched` likeliest paths, likeliest first)). Node (r_1..r_d) is rank r_d of head d-1 after its parent, as in any
+    tree; greedy output stays plain decoding's and rejection sampling stays exact: only which candidates are verified
+    changes.
+    """
+    depth, device = heads.config.num_heads, hidden.device
+    rows = getattr(lm_head, "rows", None) if heads.config.projection == "shared" else None
+    medusa = None
+    if heads.config.kind == "medusa":  # one call: a MEDUSA head's guess does not depend on the path
+        medusa = heads(hidden, lm_head).float().softmax(-1).topk(min(watched, heads_vocab(heads, lm_head)), dim=-1)
+    scores = torch.ones(1, device=device)  # the nodes of this depth kept for expanding: their path probabilities
+    chains = torch.tensor([[root]], device=device)  # [n, d+1] their tokens, the root first
+    paths: list[tuple[int, ...]] = [()]
+    tops, kept = {}, []  # kept: (path probabilities [m], paths, tokens [m]) per depth
+    for d in range(depth):
+        if medusa is not None:
+            probs, top = medusa.values[d].expand(len(paths), -1), medusa.indices[d].expand(len(paths), -1)
+        else:
+            logits = heads(hidden.expand(len(paths), -1), lm_head, d + 1, embed(chains), first=d)[0].float()
+            probs, top = logits.softmax(-1).topk(min(watched, logits.shape[-1]), dim=-1)  # [n, k]
+        top = top if rows is None else rows[top]
+        tops.update(zip(paths, top.tolist()))
+        child = (scores[:, None] * probs).flatten()  # [n * k]
+        best = child.topk(min(watched, len(child))).indices  # this depth's likeliest: the only ones that may be kept
+        parent, rank = best // probs.shape[1], best % probs.shape[1]
+        paths = [paths[p] + (r,) for p, r in zip(parent.tolist(), rank.tolist())]
+        tokens = top.flatten()[best]
+        chains = torch.cat([chains[parent], tokens[:, None]], dim=1)
+        scores = child[best]
+        kept.append((scores, paths, tokens))
+    every = torch.cat([s for s, _, _ in kept])  # by depth: a stable sort keeps a parent before its tied child
+    order = every.sort(descending=True, stable=True).indices.tolist()
+    all_paths = [p for _, ps, _ in kept for p in ps]
+    all_tokens = torch.cat([t for _, _, t in kept])
+    ranked = [all_paths[i] for i in order[:watched]]
+    chosen = set(ranked[:size])
+    chosen = {p for p in chosen if all(p[:j] in chosen for j in range(1, len(p)))}  # ties across depths aside
+    tree = build(tuple(chosen))
+    index = {p: i for i, p in enumerate(all_paths)}
+    tokens = torch.cat([torch.tensor([root], device=device), all_tokens[[index[p] for p in tree.paths]]])
+    return tree, tokens, (tops, ranked)
+
+
+def heads_vocab(heads: MedusaHeads, lm_head) -> int:
+    """How many tokens the heads rank: the guess vocabulary where one is set, else the whole."""
+    rows = getattr(lm_head, "rows", None) if heads.config.projection == "shared" else None
+    return heads.config.vocab_size if rows is None else len(rows)
+
+
 def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:
     """[B, 1, nodes, start+nodes] additive mask of one step whose row b has lengths[b] entries and its nodes at
     columns lengths[b].. (cache.place; `start`: the longest row's length): a node sees its row's own entries and its
@@ -191,8 +248,15 @@ class Batch:
         """Propose: the row's tree for this step (its guard weighs it at this batch's size, with the batch's mean
         yields `pooled`) and its candidates."""
         tree, watched = row.guard.choose(row.length, len(self.rows), pooled)  # watched: the tree guessed for, or None
-        step_tree = tree.truncated(row.config.max_new_tokens - row.produced - 1)  # never guess past the budget
-        tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched)
+        budget = row.config.max_new_tokens - row.produced - 1  # never guess past the budget
+        if row.guard.ladder.confident and watched is not None:  # the tree: the likeliest nodes of this step
+            tree, tokens, guesses = propose_confident(self.heads, self.lm_head, self.embed, row.hidden, row.root,
+                                                      tree.num_nodes - 1, watched.num_nodes - 1)
+            step_tree = tree.truncated(budget)
+            tokens = tokens if step_tree is tree else tokens[node_index(tree.paths, step_tree.paths)]
+        else:
+            step_tree = tree.truncated(budget)
+            tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched)
         # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
         return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None)
 

@@ -72,6 +72,9 @@ class Ladder:
     latency_s: tuple[tuple[float, ...], ...]
     batch_sizes: tuple[int, ...] = (1,)  # batches whose step latency was measured (calibrate), increasing from 1
     batch_latency_s: tuple[tuple[float, ...], ...] | None = None  # [batch_sizes][trees] a whole batch's step seconds
+    # confidence-driven: a tree stands for its size only, each step's candidates are the likeliest that many under the
+    # heads' own probabilities (decoding.propose_confident); its calibrated yields, the fixed tree's, are a floor
+    confident: bool = False
 
     def __post_init__(self):
         n = len(self.trees)
@@ -91,9 +94,9 @@ class Ladder:
             raise ValueError("ladder: batch sizes 1 < b2 < ..., a positive batch step latency for every tree at each")
 
     @staticmethod
-    def fixed(tree: Tree) -> "Ladder":
-        """One tree, always: an explicit tree, or plain decoding."""
-        return Ladder((tree,), (1.0,), (0,), ((1.0,),))
+    def fixed(tree: Tree, confident: bool = False) -> "Ladder":
+        """One tree, always: an explicit tree, or plain decoding (confident: its size, the likeliest nodes)."""
+        return Ladder((tree,), (1.0,), (0,), ((1.0,),), confident=confident)
 
     @property
     def tree(self) -> Tree:
@@ -138,8 +141,10 @@ class Guard:
         for index, tree in enumerate(trees):
             for path in tree.paths:
                 self.first.setdefault(path, index)
+        self.sizes = [tree.num_nodes - 1 for tree in trees]
         self.generated = [root]
-        self.pending: deque[tuple[int, list[list[int]]]] = deque()  # (where the guessed tokens start, guesses)
+        # (where the guessed tokens start, guesses, the first tree holding each node: a confident step's own)
+        self.pending: deque[tuple[int, list[list[int]] | dict, dict | None]] = deque()
         self.plain_steps = self.tree_steps = 0
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
         self.opening = OPENING + self.depth  # ... yields pick its first tree (a step's are known `depth` steps later)
@@ -183,8 +188,12 @@ class Guard:
         not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
         if not self.watching:
             return
-        if guesses is not None:
-            self.pending.append((len(self.generated), guesses if isinstance(guesses, dict) else guesses.tolist()))
+        if isinstance(guesses, tuple):  # a confident step: trees of each size hold its likeliest nodes
+            tops, ranked = guesses
+            first = {path: next(i for i, n in enumerate(self.sizes) if n > rank) for rank, path in enumerate(ranked)}
+            self.pending.append((len(self.generated), tops, first))
+        elif guesses is not None:
+            self.pending.append((len(self.generated), guesses if isinstance(guesses, dict) else guesses.tolist(), None))
         self.generated += new
         while self.pending and self.pending[0][0] + self.depth <= len(self.generated):
             self.count_tokens(*self.pending.popleft())
@@ -193,12 +202,12 @@ class Guard:
         if seconds is not None and not first and not probe:
             self.time_step(seconds / self.ladder.latency(context)[self.choice])
 
-    def count_tokens(self, start: int, guesses: list[list[int]] | dict) -> None:
+    def count_tokens(self, start: int, guesses: list[list[int]] | dict, first: dict | None = None) -> None:
         """Updates each tree's tokens per step with what it would have yielded at the step whose guesses were for
-        generated[start:]."""
+        generated[start:] (first: that step's own first tree of each node, else the ladder's)."""
         self.observed += 1
         weight = max(1 / (PRIOR_WEIGHT + self.observed), SMOOTHING)
-        for i, tokens in enumerate(yields(guesses, self.generated[start:], self.first, len(self.tokens))):
+        for i, tokens in enumerate(yields(guesses, self.generated[start:], first or self.first, len(self.tokens))):
             self.tokens[i] += weight * (tokens - self.tokens[i])
 
     def time_step(self, ratio: float) -> None:

@@ -116,11 +116,14 @@ class MedusaModel:
         tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
             "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
             a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
+            "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
+            probabilities (decoding.propose_confident); "confident:N": N of them every step.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
         kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native", "q8" (native
             with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the backbone through
             torch.compile: its first calls compile for minutes on a small CPU).
         """
+        confident_tree(tree)  # a malformed tree fails before the model loads
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -151,7 +154,8 @@ class MedusaModel:
                  ) -> "MedusaModel":
         """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained)."""
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
-        given = None if tree == "auto" else tree
+        mode, size = confident_tree(tree)
+        given = None if mode in ("auto", "confident") else tree
         if heads_dir is not None:
             # the base's vocab: heads sharing its LM head in the reference layout record none
             heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
@@ -166,13 +170,16 @@ class MedusaModel:
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
                 if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
-                if tree == "auto":
+                if mode in ("auto", "confident"):
                     medusa.trees = auto_tree(medusa, heads_dir, calibration)  # after the kernels: they set the latency
+        if mode == "confident":
+            medusa.trees = (Ladder.fixed(Tree.from_spec([size]), confident=True) if size
+                            else replace(medusa.trees, confident=True))
         return medusa
 
-    def with_heads(self, heads: str | os.PathLike, tree="auto") -> "MedusaModel":
-        """Other heads on this base model, its weights and kernels shared (`medusa bench --rival-heads`). The guess
-        vocabulary is the model's: the one these heads were calibrated with from then on."""
+    def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto") -> "MedusaModel":
+        """Other heads (or the same with another tree) on this base model, its weights and kernels shared (`medusa
+        bench --rival`). The guess vocabulary is the model's: the one these heads were calibrated with from then on."""
         return self.assemble(self.model, self.tokenizer, heads, tree, self.kernels)
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
@@ -342,6 +349,17 @@ class Running:
         del self.requests[row]
         if row in self.batch.rows:
             self.batch.leave(row)
+
+
+def confident_tree(tree) -> tuple[str | None, int | None]:
+    """tree "auto", "confident" (the calibrated sizes, each step's likeliest nodes) or "confident:N" (N of them) ->
+    (mode, N); anything else -> (None, None)."""
+    if not isinstance(tree, str):
+        return None, None
+    mode, _, size = tree.partition(":")
+    if mode not in ("auto", "confident") or size and (mode == "auto" or not size.isdigit() or int(size) < 1):
+        raise ValueError(f"tree: expected 'auto', 'confident' or 'confident:N' (N candidates) as text, got {tree!r}")
+    return mode, int(size) if size else None
 
 
 def record(out: GenerationOutput, step: Step) -> None:
