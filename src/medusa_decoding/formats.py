@@ -235,7 +235,8 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
     if config.kind != "medusa":
         raise ValueError(f"export: these are {config.kind} heads, which read the tokens before their guess; the "
                          f"{fmt} layout holds MEDUSA heads only (its engines feed a head the hidden state alone), so "
-                         "they cannot be written in it. Keep the native layout (save_pretrained)")
+                         "they cannot be written in it. Keep the native layout (save_pretrained), or export MEDUSA "
+                         "heads (the embedded default's: --heads src/medusa_decoding/assets/heads)")
     state = {key.removeprefix(NATIVE_PREFIX): t.detach().contiguous() for key, t in heads.state_dict().items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
