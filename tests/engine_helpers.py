@@ -88,6 +88,7 @@ class OracleHeads(torch.nn.Module):
 
     check_compatible = MedusaHeads.check_compatible
     guesses = MedusaHeads.guesses
+    guess_rows = MedusaHeads.guess_rows
 
     def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None, embeds=None, first: int = 0
                 ) -> torch.Tensor:

@@ -336,6 +336,15 @@ def ratio(a: float, b: float) -> float:
     return a / b if b else 0.0
 
 
+def gains(decoder: Totals, plain: Totals, hf: Totals) -> dict:
+    """A speculative decoder's figures: tokens per step, step time and speed against plain decoding, speed against
+    `transformers` generate."""
+    return {"acceleration_rate": ratio(decoder.new_tokens, decoder.steps),
+            "overhead": ratio(decoder.seconds_per_step, plain.seconds_per_step),
+            "speedup": ratio(decoder.tokens_per_s, plain.tokens_per_s),
+            "speedup_vs_transformers": ratio(decoder.tokens_per_s, hf.tokens_per_s)}
+
+
 def order(name: str) -> tuple:
     """How reports list the decoders that ran: MEDUSA, plain, transformers, then the others by name."""
     return (DECODERS.index(name) if name in DECODERS else len(DECODERS), name)
@@ -351,19 +360,12 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     extra = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
     rivals = {name: t for name, t in totals.items() if name not in DECODERS + (LLAMA_CPP,)}
     if rivals:
-        extra["rivals"] = {name: {"acceleration_rate": ratio(t.new_tokens, t.steps),
-                                  "overhead": ratio(t.seconds_per_step, plain.seconds_per_step),
-                                  "speedup": ratio(t.tokens_per_s, plain.tokens_per_s),
-                                  "speedup_vs_transformers": ratio(t.tokens_per_s, hf.tokens_per_s),
-                                  "speedup_vs_medusa": ratio(t.tokens_per_s, medusa.tokens_per_s)}
+        extra["rivals"] = {name: {**gains(t, plain, hf), "speedup_vs_medusa": ratio(t.tokens_per_s, medusa.tokens_per_s)}
                            for name, t in rivals.items()}
     trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
         "turns": len(outputs),
-        "acceleration_rate": ratio(medusa.new_tokens, medusa.steps),
-        "overhead": ratio(medusa.seconds_per_step, plain.seconds_per_step),
-        "speedup": ratio(medusa.tokens_per_s, plain.tokens_per_s),
-        "speedup_vs_transformers": ratio(medusa.tokens_per_s, hf.tokens_per_s),
+        **gains(medusa, plain, hf),
         **extra,
         "tokens_per_s": {name: t.tokens_per_s for name, t in totals.items()},
         "new_tokens": medusa.new_tokens,

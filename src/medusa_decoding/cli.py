@@ -248,11 +248,13 @@ def cmd_bench(args) -> None:
 
 def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str]]:
     """--rival NAME=[DIR][@TREE] -> (name, heads directory or None, tree)."""
+    from .bench import DECODERS, LLAMA_CPP
+
     out = []
     for spec in specs:
         name, _, rest = spec.partition("=")
         heads, _, tree = rest.partition("@")
-        if not name or not rest or name in ("medusa", "plain", "transformers", "llama.cpp") or name in {n for n, *_ in out}:
+        if not name or not rest or name in DECODERS + (LLAMA_CPP,) or name in {n for n, *_ in out}:
             raise ValueError(f"--rival: NAME=[DIR][@TREE] with a new name, got {spec!r}")
         out.append((name, heads or None, tree or "auto"))
     return out

@@ -115,21 +115,18 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, 
     tree; greedy output stays plain decoding's and rejection sampling stays exact: only which candidates are verified
     changes.
     """
-    depth, device = heads.config.num_heads, hidden.device
-    rows = getattr(lm_head, "rows", None) if heads.config.projection == "shared" else None
-    medusa = None
-    if heads.config.kind == "medusa":  # one call: a MEDUSA head's guess does not depend on the path
-        medusa = heads(hidden, lm_head).float().softmax(-1).topk(min(watched, heads_vocab(heads, lm_head)), dim=-1)
+    depth, device, rows = heads.config.num_heads, hidden.device, heads.guess_rows(lm_head)
+    # MEDUSA heads in one call: their guesses do not depend on the path
+    every_head = heads(hidden, lm_head) if heads.config.kind == "medusa" else None  # [K, V]
     scores = torch.ones(1, device=device)  # the nodes of this depth kept for expanding: their path probabilities
     chains = torch.tensor([[root]], device=device)  # [n, d+1] their tokens, the root first
     paths: list[tuple[int, ...]] = [()]
     tops, kept = {}, []  # kept: (path probabilities [m], paths, tokens [m]) per depth
     for d in range(depth):
-        if medusa is not None:
-            probs, top = medusa.values[d].expand(len(paths), -1), medusa.indices[d].expand(len(paths), -1)
-        else:
-            logits = heads(hidden.expand(len(paths), -1), lm_head, d + 1, embed(chains), first=d)[0].float()
-            probs, top = logits.softmax(-1).topk(min(watched, logits.shape[-1]), dim=-1)  # [n, k]
+        logits = (every_head[d : d + 1] if every_head is not None
+                  else heads(hidden.expand(len(paths), -1), lm_head, d + 1, embed(chains), first=d)[0])
+        probs, top = logits.float().softmax(-1).topk(min(watched, logits.shape[-1]), dim=-1)
+        probs, top = probs.expand(len(paths), -1), top.expand(len(paths), -1)  # [n, k]: MEDUSA's, for every node
         top = top if rows is None else rows[top]
         tops.update(zip(paths, top.tolist()))
         child = (scores[:, None] * probs).flatten()  # [n * k]
@@ -151,12 +148,6 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, 
     index = {p: i for i, p in enumerate(all_paths)}
     tokens = torch.cat([torch.tensor([root], device=device), all_tokens[[index[p] for p in tree.paths]]])
     return tree, tokens, (tops, ranked)
-
-
-def heads_vocab(heads: MedusaHeads, lm_head) -> int:
-    """How many tokens the heads rank: the guess vocabulary where one is set, else the whole."""
-    rows = getattr(lm_head, "rows", None) if heads.config.projection == "shared" else None
-    return heads.config.vocab_size if rows is None else len(rows)
 
 
 def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:

@@ -149,12 +149,11 @@ class Guard:
         self.explores = trees[0].num_nodes == 1  # a ladder from plain decoding up times plain steps too
         self.opening = OPENING + self.depth  # ... yields pick its first tree (a step's are known `depth` steps later)
 
-    def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None
-               ) -> tuple[Tree, tuple[int, int] | None]:
+    def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None) -> tuple[Tree, Tree | None]:
         """The tree of the next step at `context` tokens in a batch of `batch` rows, and the tree the heads guess for in
         it (decoding.propose): the ladder's largest, which covers every tree, or None (a plain step that does not
-        probe). pooled: the
-        batch's mean yields per tree (`batch_yields`), which every row of the batch then follows as they stand."""
+        probe). pooled: the batch's mean yields per tree (`batch_yields`), which every row of the batch then follows
+        as they stand."""
         if not self.watching:
             tree = self.ladder.tree
             return tree, tree if tree.num_nodes > 1 else None
@@ -183,7 +182,8 @@ class Guard:
             return self.ladder.trees[0], None
         return tree, self.watched
 
-    def record(self, guesses: torch.Tensor | None, new: list[int], seconds: float | None, context: int) -> None:
+    def record(self, guesses: torch.Tensor | dict | tuple | None, new: list[int], seconds: float | None, context: int
+               ) -> None:
         """After a step: its guesses (decoding.propose's, or None), the tokens it produced, its seconds (None:
         not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
         if not self.watching:

@@ -92,8 +92,13 @@ class MedusaHeads(nn.Module):
         projection onto part of the vocabulary (an Int8Linear with `rows`, kernels.set_guess_vocab) ranks those
         tokens only."""
         top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
-        rows = getattr(lm_head, "rows", None) if self.config.projection == "shared" else None
+        rows = self.guess_rows(lm_head)
         return top if rows is None else rows[top]
+
+    def guess_rows(self, lm_head: nn.Module | None) -> torch.Tensor | None:
+        """The token ids of the logits' columns where the heads guess from part of the vocabulary (a shared
+        projection with `rows`, kernels.set_guess_vocab), else None: column i is token i."""
+        return getattr(lm_head, "rows", None) if self.config.projection == "shared" else None
 
     def save_pretrained(self, directory: str | Path) -> None:
         directory = Path(directory)
