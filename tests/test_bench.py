@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from conftest import tiny_model, tiny_tokenizer
+from conftest import needs_compiler, tiny_model, tiny_tokenizer
 from engine_helpers import lively_model, random_heads
 
 from medusa_decoding import GenerationConfig, MedusaModel, Tree
@@ -16,8 +16,9 @@ from medusa_decoding import bench as bench_module
 from medusa_decoding.acceptance import RULES
 from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
 from medusa_decoding.calibrate import expected_acceptance
-from medusa_decoding.cli import main
-from medusa_decoding.kernels import MAX_ROWS
+from medusa_decoding.cli import main, rival_specs
+from medusa_decoding.decoding import PLAIN
+from medusa_decoding.guard import Guard, Ladder
 
 TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
 TOKENS = 12
@@ -118,19 +119,31 @@ def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
     assert report["lossless"] is False
 
 
-def test_the_untimed_warm_up_prefills_past_the_native_rows(tiny, questions, monkeypatch):
-    """Compiled kernels compile a prefill over more than MAX_ROWS tokens as a graph of its own: the warm-up must
-    run one, or the first long turn times a minute of compiling."""
-    prompts, original = [], bench_module.run_decoder
+@needs_compiler
+def test_nothing_compiles_on_the_clock(tiny, questions, monkeypatch):
+    """The compiled engine compiles each tree size on its first step: the untimed warm-up must run every tree the
+    guard may pick (and a rival's, and plain steps), or a timed turn holds seconds of compiling."""
+    trees = (PLAIN, *(Tree.from_spec(spec) for spec in ([[0]], [[0], [1]], TREE)))
+    medusa = tiny.with_heads(tiny.heads, Tree.from_spec(TREE), compiled=True)
+    medusa.trees = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
+    # the guard moves up the ladder as a turn goes on: the largest tree only after the warm-up's 8 tokens
+    def choose(guard, context, batch=1, pooled=None):
+        ladder, watched = guard.ladder.trees, guard.watched
+        return ladder[min(len(guard.generated) // 3, len(ladder) - 1)], watched if watched.num_nodes > 1 else None
 
-    def recording(name, medusa, ids, config, llama=None, rivals=None):
-        prompts.append(len(ids))
+    monkeypatch.setattr(Guard, "choose", choose)
+    rivals = {"wide": tiny.with_heads(tiny.heads, Tree.from_spec([3, 2]), compiled=True)}
+    graphs, original = [], bench_module.run_decoder
+
+    def counting(name, medusa, ids, config, llama=None, rivals=None):
+        graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
         return original(name, medusa, ids, config, llama, rivals)
 
-    monkeypatch.setattr(bench_module, "run_decoder", recording)
-    benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
-    timed = len(DECODERS) * len(questions[0].turns)
-    assert max(prompts[:-timed]) > MAX_ROWS
+    monkeypatch.setattr(bench_module, "run_decoder", counting)
+    benchmark(medusa, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, rivals=rivals)
+    timed = (len(DECODERS) + len(rivals)) * len(questions[0].turns)
+    assert graphs[-timed] > graphs[0]  # the warm-up compiled
+    assert graphs[-1] == graphs[-timed] == torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
 
 def test_repeat_counts_each_decoders_fastest_run_and_rotates_who_goes_first(tiny, questions, monkeypatch):
@@ -288,13 +301,16 @@ def test_cli_end_to_end(tmp_path, capsys):
     hydra.save_pretrained(tmp_path / "hydra")
     main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
           "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1",
-          "--rival", f"hydra={tmp_path / 'hydra'}", "--rival", "sure=@confident:3"])
+          "--rival", f"hydra={tmp_path / 'hydra'}", "--rival", "sure=@confident:3", "--rival", "flat=@[]+eager"])
     report = json.loads(out.read_text())
     assert report["config"]["kind"] == "medusa"
     assert report["config"]["rivals"] == {
-        "hydra": {"heads": str(tmp_path / "hydra"), "kind": "hydra", "tree": "auto", "confident": False},
-        "sure": {"heads": "None", "kind": "medusa", "tree": "confident:3", "confident": True}}
-    assert set(report["overall"]["rivals"]) == {"hydra", "sure"}
+        "hydra": {"heads": str(tmp_path / "hydra"), "kind": "hydra", "tree": "auto", "confident": False,
+                  "compiled": False},
+        "sure": {"heads": "None", "kind": "medusa", "tree": "confident:3", "confident": True, "compiled": False},
+        "flat": {"heads": "None", "kind": "medusa", "tree": "[]", "confident": False, "compiled": False}}
+    assert set(report["overall"]["rivals"]) == {"hydra", "sure", "flat"}
+    assert report["overall"]["rivals"]["flat"]["acceleration_rate"] == 1  # plain decoding
     assert report["config"]["model"] == str(model_dir) and report["config"]["categories"] == ["coding"]
     assert set(report["categories"]) == {"coding"} and report["overall"]["turns"] == 2
     assert report["config"]["heads_trained"] is False and "medusa" not in report["config"]
@@ -384,3 +400,13 @@ def test_llama_cpp_not_installed_is_named_with_its_install_command(tmp_path, cap
         main(["bench", "--questions", write_questions(tmp_path / "q.jsonl", QUESTIONS), "--llama-cpp"])
     assert exit_info.value.code == 2
     assert "llama-cpp-python is not installed: pip install 'medusa-decoding[llama]'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("spec", "message"), [
+    ("medusa=@confident", "with a new name"), ("x=", "with a new name"), ("x=@auto+warp", "the engine after"),
+])
+def test_a_malformed_rival_fails_before_loading(spec, message):
+    with pytest.raises(ValueError, match=message):
+        rival_specs([spec])
+    assert rival_specs(["c=+compiled", "e=dir@[[0]]+eager", "t=@confident:4"]) == [
+        ("c", None, "auto", True), ("e", "dir", "[[0]]", False), ("t", None, "confident:4", None)]

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import FAMILIES, needs_native, tiny_model
+from conftest import FAMILIES, needs_compiler, needs_native, tiny_model
 from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, greedy_reference, lively_model,
                             random_heads)
 from transformers import DynamicCache
@@ -252,6 +252,16 @@ def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
     assert sum(out.accept_lengths) == len(expected)
     if heads.endswith("oracle"):
         assert out.acceleration_rate > MIN_TOKENS_PER_STEP
+
+
+@needs_compiler
+def test_smollm_compiled_engine_equals_generate(smollm, smol_reference):
+    ids, expected = smol_reference
+    draft = OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]))
+    out = MedusaModel(smollm.model, smollm.tokenizer, draft, Tree.from_spec(DEFAULT_TREE), "compiled").generate(
+        SMOL_PROMPT, max_new_tokens=NEW_TOKENS)
+    assert out.token_ids == expected
+    assert out.acceleration_rate > MIN_TOKENS_PER_STEP
 
 
 @needs_native

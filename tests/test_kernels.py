@@ -1,7 +1,7 @@
 """The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
 and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits, or with 8-bit
 activations (q8: every instruction path the same bits); native attention gives a tree node what a one-token pass gives
-its token, so a tree pass is bitwise a run of one-token passes; so does a compiled backbone; grouped-query attention
+its token, so a tree pass is bitwise a run of one-token passes (the compiled engine: test_compiled); grouped-query attention
 over a tree reads the keys in place; the heads guess through an int8 copy of the LM head."""
 
 import copy
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, needs_compiler, needs_native
+from conftest import FAMILIES, needs_native
 from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding import kernels
@@ -140,23 +140,6 @@ def test_greedy_medusa_on_native_kernels_equals_stock_generate(family):
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     steps = list(decode(native, random_heads(native), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
     assert [t for step, _ in steps for t in step] == reference
-
-
-@needs_compiler
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_greedy_medusa_on_compiled_kernels_equals_stock_generate(family):
-    model = lively_model(family, seed=FAMILIES.index(family))
-    reference = greedy_reference(model, PROMPT, NEW_TOKENS)
-    compiled = use_kernels(copy.deepcopy(model), "compiled")
-    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    steps = list(decode(compiled, random_heads(compiled), PROMPT, config, Tree.from_spec(DEFAULT_TREE)))
-    assert [t for step, _ in steps for t in step] == reference
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] >= graphs + 3  # prefill, trees, one token
-    assert isinstance(guess_projection(compiled), Int8Linear)
-    with stock_kernels(compiled):
-        assert compiled.base_model._compiled_call_impl is None  # transformers' own eager forward
-    assert compiled.base_model._compiled_call_impl is not None
 
 
 @needs_native

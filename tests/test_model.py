@@ -128,7 +128,7 @@ def scripted(steps: list[tuple[list[int], int]]):
         done = len(steps) == 1
 
     class Scripted:
-        def __init__(self, model, heads):
+        def __init__(self, model, heads, compiled=False):
             self.rows, self.left = [], list(steps[1:])
 
         def join(self, ids, config, trees, eos_ids, generator):

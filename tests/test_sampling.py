@@ -5,6 +5,8 @@ enumerated; thousands of MEDUSA samples must pass a chi-square goodness-of-fit t
 same test must fail for deliberately broken verifiers (so it has the power to see a mistake).
 """
 
+import copy
+
 import pytest
 import torch
 from conftest import FAMILIES
@@ -16,6 +18,7 @@ from medusa_decoding.acceptance import sample, target_probs
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN, decode
 from medusa_decoding.guard import Guard, Ladder
+from medusa_decoding.kernels import compile_error, use_kernels
 from medusa_decoding.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -96,12 +99,13 @@ def small_model():
     return model, random_heads(model)
 
 
-def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -> torch.Tensor:
+def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, compiled: bool = False) -> torch.Tensor:
     """Counts [V, V, V] of the first three tokens over `samples` full decode runs (one seeded generator)."""
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.long)
     for _ in range(samples):
-        tokens = [t for step, _ in decode(model, heads, PROMPT, config, tree, generator=generator) for t in step]
+        steps = decode(model, heads, PROMPT, config, tree, generator=generator, compiled=compiled)
+        tokens = [t for step, _ in steps for t in step]
         counts[tuple(tokens[:MEASURED])] += 1
     return counts
 
@@ -112,6 +116,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES) -
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
+    ("engine, compiled", {}),  # fixed-shape steps: logits from the graph, the rule on them
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
 ])
@@ -121,6 +126,10 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         monkeypatch.setitem(acceptance.RULES, "rejection", flawed[verifier])
     model, heads = small_model
     heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
+    if verifier.endswith("compiled"):
+        if compile_error("cpu") is not None:
+            pytest.skip(f"torch.compile: {compile_error('cpu')}")
+        model = use_kernels(copy.deepcopy(model), "compiled")
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
     if verifier.endswith("confident trees"):
@@ -130,7 +139,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
         monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: (
             trees[guard.generated[-1] % len(trees)], guard.watched))
-    counts = draw(model, heads, config, tree)
+    counts = draw(model, heads, config, tree, compiled=verifier.endswith("compiled"))
     p_value = goodness_of_fit(counts, exact_joint(model, **filters))
     if verifier.startswith("engine"):
         assert p_value > PASS_P

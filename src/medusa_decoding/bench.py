@@ -27,7 +27,7 @@ from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptanc
 from .config import GenerationConfig
 from .decoding import PLAIN, context_limit
 from .guard import Ladder
-from .kernels import MAX_ROWS, guess_projection, stock_kernels
+from .kernels import guess_projection, stock_kernels
 from .model import GenerationOutput, MedusaModel
 from .tree import Tree
 
@@ -196,16 +196,11 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         raise ValueError(f"repeat: a positive number of runs that give the same tokens (greedy, or sampling with a "
                          f"seed), got {repeat} at temperature {config.temperature} with no seed")
     warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
-    # compiled kernels: a prefill over more than MAX_ROWS tokens (stock linears) compiles a graph of its own
-    for ids in (warmup, warmup.repeat(MAX_ROWS // len(warmup) + 1)):
-        answer_turn(medusa, ids, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rivals=rivals)
-    swept = [MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
-             for tree in greedy_trees(accuracy, sweep)] if sweep else []
-    # compiled kernels compile a pass size on its first call: never on the clock (nor a tree the guard picks later)
-    ladder = [MedusaModel(view.model, view.tokenizer, view.heads, tree, view.kernels)
-              for view in (medusa, *(rivals or {}).values()) if len(view.trees.trees) > 1 for tree in view.trees.trees]
-    for view in swept + ladder:
-        view.generate(warmup, config=replace(config, max_new_tokens=WARMUP_TOKENS))
+    answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rivals=rivals)
+    swept = [medusa.with_heads(medusa.heads, tree) for tree in greedy_trees(accuracy, sweep)] if sweep else []
+    # the compiled engine compiles a tree size on its first step: never on the clock (nor a tree the guard picks later)
+    for view in (medusa, *(rivals or {}).values(), *swept):
+        view.warm_up(warmup, config, WARMUP_TOKENS)
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)

@@ -10,7 +10,11 @@ A batch's rows share the cache's columns: row b holds its own `lengths[b]` entri
 prefix, never another's), and a step writes row b's tree node i at column lengths[b] + i, right after the row's own
 entries (`place`), so a plain step's token is where it stays. After a verification pass `commit` moves each row's
 accepted path into place and drops the rest; the columns past a row's entries, up to the longest row's, are a hole
-its attention mask hides (decoding.step_mask).
+its attention mask hides (`step_mask`).
+
+The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending every column of
+the buffers (the mask hides those not in use), writing each step's nodes at a column tensor (`place`) and moving the
+accepted paths with one gather/scatter (`gather_paths`).
 """
 
 import torch
@@ -21,14 +25,19 @@ from transformers.cache_utils import DynamicLayer
 class PreallocatedLayer(DynamicLayer):
     """A DynamicLayer whose `keys`/`values` are views of buffers of `slots` rows and `capacity` positions."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, whole: bool = False):
         super().__init__()
-        self.capacity, self.slots = capacity, 0
+        self.capacity, self.slots, self.whole = capacity, 0, whole
         self.placed: tuple | None = None  # `place`'s index: (rows [B, 1], every head, columns [B, T])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, kv_heads, T, head_dim] -> all keys and values so far [B, kv_heads, S, head_dim]
-        rows, width = key_states.shape[0], (self.keys.shape[-2] if self.is_initialized else 0)
+        rows = key_states.shape[0]
+        if self.whole and self.placed is not None:  # a compiled step: every column, whatever the width in use
+            self.key_buffer[self.placed] = key_states.transpose(1, 2)
+            self.value_buffer[self.placed] = value_states.transpose(1, 2)
+            return self.key_buffer[:rows], self.value_buffer[:rows]
+        width = self.keys.shape[-2] if self.is_initialized else 0
         if not self.is_initialized:
             self.begin(key_states, value_states, rows)
         end = width + key_states.shape[-2]
@@ -58,6 +67,9 @@ class PreallocatedLayer(DynamicLayer):
         shape = (slots, self.keys.shape[1], capacity, self.keys.shape[-1])
         # zeros, not garbage: stock attention reads the holes it masks, and 0 * NaN would be NaN
         self.key_buffer, self.value_buffer = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        if self.whole and self.key_buffer.is_cuda:  # CUDA graphs replay on these very buffers
+            torch._dynamo.mark_static_address(self.key_buffer)
+            torch._dynamo.mark_static_address(self.value_buffer)
         self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width] = self.keys, self.values
         self.slots, self.capacity = slots, capacity
         self.view(rows, width)
@@ -66,10 +78,10 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width]
 
 
-def allocate(model: PreTrainedModel, capacity: int) -> Cache:
+def allocate(model: PreTrainedModel, capacity: int, whole: bool = False) -> Cache:
     """An empty cache with room for `capacity` positions (one request: prompt + new tokens + one tree)."""
     num_layers = model.config.get_text_config().num_hidden_layers
-    return Cache(layers=[PreallocatedLayer(capacity) for _ in range(num_layers)])
+    return Cache(layers=[PreallocatedLayer(capacity, whole) for _ in range(num_layers)])
 
 
 def width(cache: Cache) -> int:
@@ -93,7 +105,7 @@ def insert(cache: Cache, row: Cache, capacity: int) -> None:
     wide = max(width(cache), length)
     for layer, new in zip(cache.layers, row.layers):
         if not layer.is_initialized:
-            layer.capacity = capacity
+            layer.capacity = max(layer.capacity, capacity)
             layer.begin(new.keys, new.values, 1)
     reserve(cache, rows + 1, capacity)
     for layer, new in zip(cache.layers, row.layers):
@@ -103,8 +115,9 @@ def insert(cache: Cache, row: Cache, capacity: int) -> None:
 
 def place(cache: Cache, lengths: list[int], tokens: int) -> None:
     """The next pass writes row b's `tokens` tokens at columns lengths[b].. (right after the row's own entries),
-    where by default they go after the longest row's: the same where every row is as long (a batch of one)."""
-    if len(set(lengths)) > 1:
+    where by default they go after the longest row's: the same where every row is as long (a batch of one).
+    A whole cache is always placed: a compiled step's writes are indexed by tensors, whatever the lengths."""
+    if len(set(lengths)) > 1 or cache.layers[0].whole:
         device = cache.layers[0].device
         placed = (torch.arange(len(lengths), device=device)[:, None], slice(None),
                   torch.tensor(lengths, device=device)[:, None] + torch.arange(tokens, device=device))
@@ -128,6 +141,29 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
     for layer in cache.layers:
         layer.view(len(lengths), wide)
         layer.placed = None
+
+
+def step_mask(lengths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, T, columns] additive mask of a step whose row b has lengths[b] entries and its T nodes at columns
+    lengths[b].. (`place`): a node sees its row's own entries and the step's nodes that attention [B, T, T] lets it
+    (itself and its ancestors: tree.padded), never the hole past a shorter row nor a column not yet written."""
+    nodes = attention.shape[-1]
+    offset = torch.arange(columns, device=lengths.device) - lengths[:, None]  # [B, S]: the column's node, if >= 0
+    ours = attention.gather(2, offset.clamp(0, nodes - 1)[:, None, :].expand(-1, nodes, -1))  # [B, T, S]
+    seen = (offset < 0)[:, None] | (ours & (offset < nodes)[:, None])
+    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+
+
+def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> None:
+    """commit's moves as one gather/scatter per buffer, of a fixed shape: row b's node paths[b, i] goes to column
+    lengths[b] + i for every i < T, where paths [B, T] continues each accepted path with i itself (moving nothing).
+    The views (the width in use) are the caller's to set."""
+    rows = torch.arange(len(lengths), device=lengths.device)[:, None]
+    to = lengths[:, None] + torch.arange(paths.shape[1], device=lengths.device)
+    source = lengths[:, None] + paths
+    for layer in cache.layers:
+        for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
+            buffer[rows, :, to] = buffer[rows, :, source]
 
 
 def remove(cache: Cache, index: int, wide: int) -> None:

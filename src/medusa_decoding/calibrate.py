@@ -25,9 +25,8 @@ from typing import NamedTuple
 import torch
 
 from . import cache as kv
-from .acceptance import greedy
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import Batch, context_limit, prefill, propose, verify
+from .decoding import Batch, context_limit
 from .default_model import cache_root
 from .guard import Guard, Ladder
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
@@ -212,46 +211,56 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
 
 
 def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[int]:
-    """config.latency_contexts, each cut to what the model's context leaves room for beside the largest tree."""
-    room = context_limit(medusa.model) - max(t.num_nodes for t in trees)
+    """config.latency_contexts, each cut to what the model's context leaves room for beside the largest tree and
+    the step after it (a budget that no step of it exhausts: measure_step_latency)."""
+    room = context_limit(medusa.model) - max(t.num_nodes for t in trees) - 2
     return sorted({max(1, min(context, room)) for context in config.latency_contexts})
 
 
 def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS
                          ) -> tuple[list[int], list[list[float]]]:
-    """Median seconds of one full decoding step (guess, verify, greedy accept, commit) per tree, at each of the
-    contexts `latency_contexts` gives: (contexts [C], seconds [C][len(trees)]).
+    """Median seconds of one full decoding step (decoding.Batch.step: guess, verify, greedy accept, commit, on the
+    engine that decodes: eager or compiled) per tree, at each of the contexts `latency_contexts` gives: (contexts [C],
+    seconds [C][len(trees)]).
 
-    The cache is cut back to the prefix after every step, so each starts alike, and the trees take turns, so a
-    burst of load from elsewhere slows all of them, not one.
+    The row goes back to the prefix after every step, so each starts alike; the trees take turns (time_steps).
     """
     model, heads, device = medusa.model, medusa.heads, medusa.model.device
-    lm_head, embed = guess_projection(model), model.get_input_embeddings()
     contexts = latency_contexts(medusa, trees, config)
-    greedy_config = GenerationConfig()
-
-    def step(cache, hidden, root, tree: Tree, prefix_len: int) -> None:
-        tokens, _ = propose(heads, lm_head, embed, hidden, root, tree, tree if tree.num_nodes > 1 else None)
-        logits, _ = verify(model, cache, tokens, tree, prefix_len)
-        path, _ = greedy(tokens, logits, tree, greedy_config)
-        kv.commit(cache, [prefix_len], [path.tolist()])
-
+    budget = GenerationConfig(max_new_tokens=max(t.num_nodes for t in trees) + 2)  # no tree cut short, no row done
     table = []
-    with torch.inference_mode():
-        for prefix_len in contexts:
-            prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
-            cache, logits, hidden = prefill(model, prompt.to(device), prefix_len + max(t.num_nodes for t in trees))
-            root, times = int(logits.argmax()), [[] for _ in trees]
-            for _ in range(config.latency_repeats + 1):  # round-robin: load from other processes hits every size
-                for tree, timed in zip(trees, times):
-                    synchronize(device)
-                    start = time.perf_counter()
-                    step(cache, hidden, root, tree, prefix_len)
-                    synchronize(device)
-                    timed.append(time.perf_counter() - start)
-                    kv.commit(cache, [prefix_len], [[]])  # back to the prefix alone (not crop: it changed in 5.23)
-            table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
+    for prefix_len in contexts:
+        prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
+        batch = Batch(model, heads, medusa.compiled)
+        row = batch.join(prompt.to(device), budget, trees[0])  # no EOS: the row stays
+        start = (row.root, row.hidden, row.length, row.produced)
+
+        def rewind(row=row, batch=batch, start=start) -> None:  # back to the prefix alone
+            row.root, row.hidden, row.length, row.produced = start
+            with torch.inference_mode():
+                kv.commit(batch.cache, [row.length], [[]])
+
+        table.append(time_steps(batch, trees, config, rewind))
     return contexts, table
+
+
+def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=None) -> list[float]:
+    """Median seconds of a step of `batch` whose rows all verify the same tree, per tree. The trees take turns, so a
+    burst of load from elsewhere slows all of them, not one; the first round is a warm-up. rewind: run after each
+    step."""
+    device, times = batch.model.device, [[] for _ in trees]
+    for _ in range(config.latency_repeats + 1):
+        for tree, timed in zip(trees, times):
+            for row in batch.rows:
+                row.guard = Guard(Ladder.fixed(tree), row.root)
+            synchronize(device)
+            start = time.perf_counter()
+            batch.step()
+            synchronize(device)
+            timed.append(time.perf_counter() - start)
+            if rewind is not None:
+                rewind()
+    return [statistics.median(timed[1:]) for timed in times]
 
 
 def device_name(device: torch.device) -> str:
@@ -273,33 +282,24 @@ def setup(medusa) -> str:
     """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks)."""
     dtype = str(medusa.model.dtype).removeprefix("torch.")
     blocks = " on GGUF blocks" if reads_blocks(medusa.model) else ""
-    return f"{device_name(medusa.model.device)}, {dtype}, {medusa.kernels} kernels{blocks}"
+    kernels = "compiled" if medusa.compiled else medusa.kernels  # the engine: a rival may run another (bench)
+    return f"{device_name(medusa.model.device)}, {dtype}, {kernels} kernels{blocks}"
 
 
 def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[list[float]]:
     """Median seconds of one step of a batch (decoding.Batch) whose rows all verify the same tree, per batch size
     of config.batch_sizes and per tree: [batch_sizes][trees]. Rows of random prompts at the first latency context;
-    the trees take turns, as in measure_step_latency."""
+    the trees take turns (time_steps)."""
     model, device = medusa.model, medusa.model.device
     context = latency_contexts(medusa, trees, config)[0]
     budget = GenerationConfig(max_new_tokens=max(t.num_nodes for t in trees) * (config.latency_repeats + 1) * len(trees))
     table = []
     for rows in config.batch_sizes:
-        batch = Batch(model, medusa.heads)
+        batch = Batch(model, medusa.heads, medusa.compiled)
         for row in range(rows):
             prompt = torch.randint(medusa.heads.config.vocab_size, (context,), generator=torch.Generator().manual_seed(row))
             batch.join(prompt.to(device), budget, trees[0])  # no EOS: every row stays to the end
-        times = [[] for _ in trees]
-        for _ in range(config.latency_repeats + 1):
-            for tree, timed in zip(trees, times):
-                for row in batch.rows:
-                    row.guard = Guard(Ladder.fixed(tree), row.root)
-                synchronize(device)
-                start = time.perf_counter()
-                batch.step()
-                synchronize(device)
-                timed.append(time.perf_counter() - start)
-        table.append([statistics.median(timed[1:]) for timed in times])  # the first round is a warm-up
+        table.append(time_steps(batch, trees, config))
     return table
 
 

@@ -3,12 +3,14 @@
 import argparse
 import json
 import sys
+import time
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
 from .config import HEAD_KINDS, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
 from .kernels import KERNELS
 
+ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
 DEFAULTS = GenerationConfig()
 SERVER = ServerConfig()
 DISTILL = DistillConfig()
@@ -27,10 +29,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "probabilities; confident:N: N such candidates a step")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
-                            help="kernels: auto (native on a CPU in float32 where it builds, else stock), stock, "
-                            "native (batch-invariant few-token linears and attention, built once per machine), "
-                            "q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
-                            "compiled (torch.compile: minutes of compiling first, then faster steps)")
+                            help="kernels: auto (compiled on a GPU, native on a CPU in float32 where it builds, else "
+                            "stock), stock, native (batch-invariant few-token linears and attention, built once per "
+                            "machine), q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
+                            "compiled (fixed-shape steps through torch.compile, native kernels inside on a CPU: "
+                            "about 40 s of compiling per tree size on first use, then the fastest steps)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,10 +48,15 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load(args):
     from .model import MedusaModel
+
+    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree_arg(args.tree), kernels=args.kernels)
+
+
+def tree_arg(text: str | None):
+    """--tree's text: auto, confident[:N] (or None) as they are, else a tree (inline JSON or a JSON file)."""
     from .tree import parse_spec
 
-    tree = parse_spec(args.tree) if args.tree is not None and args.tree.split(":")[0] not in ("auto", "confident") else args.tree
-    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree, kernels=args.kernels)
+    return parse_spec(text) if text is not None and text.split(":")[0] not in ("auto", "confident") else text
 
 
 def generation_config(args, **overrides) -> GenerationConfig:
@@ -128,7 +136,10 @@ def cmd_demo(args) -> None:
           f"{'trained' if trained else 'untrained'} heads, {choice} (--tree {args.tree}), greedy, up to "
           f"{config.max_new_tokens} new tokens per answer, on {setup(medusa)}")
     print("heads: trained" if trained else UNTRAINED)
-    medusa.generate(DEFAULT_MODEL.demo_prompts[0], config=config, max_new_tokens=3)  # warm-up, not timed
+    start = time.perf_counter()
+    medusa.warm_up(DEFAULT_MODEL.demo_prompts[0], config)  # off the clock
+    if medusa.compiled:
+        print(f"warm-up: {time.perf_counter() - start:.0f} s, compiling each tree size on first use")
     rows = []
     for prompt in DEFAULT_MODEL.demo_prompts:
         print(f"\n>>> {prompt}")
@@ -229,15 +240,16 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree) for name, heads, tree in specs}
+    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree_arg(tree), compiled)
+              for name, heads, tree, compiled in specs}
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
                        llama=llama, repeat=args.repeat, rivals=rivals)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads), kind=medusa.heads.config.kind)
     report["config"]["rivals"] = {name: {"heads": str(view.heads_dir), "kind": view.heads.config.kind,
-                                         "tree": spec, "confident": view.trees.confident}
-                                  for (name, _, spec), view in zip(specs, rivals.values())}
+                                         "tree": spec, "confident": view.trees.confident, "compiled": view.compiled}
+                                  for (name, _, spec, _), view in zip(specs, rivals.values())}
     print(table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
@@ -246,17 +258,20 @@ def cmd_bench(args) -> None:
         plot(report, args.plot)
 
 
-def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str]]:
-    """--rival NAME=[DIR][@TREE] -> (name, heads directory or None, tree)."""
+def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str, bool | None]]:
+    """--rival NAME=[DIR][@TREE][+ENGINE] -> (name, heads directory or None, tree, compiled engine or None)."""
     from .bench import DECODERS, LLAMA_CPP
 
     out = []
     for spec in specs:
         name, _, rest = spec.partition("=")
+        rest, plus, engine = rest.partition("+")
         heads, _, tree = rest.partition("@")
-        if not name or not rest or name in DECODERS + (LLAMA_CPP,) or name in {n for n, *_ in out}:
-            raise ValueError(f"--rival: NAME=[DIR][@TREE] with a new name, got {spec!r}")
-        out.append((name, heads or None, tree or "auto"))
+        if not name or not (rest or plus) or name in DECODERS + (LLAMA_CPP,) or name in {n for n, *_ in out}:
+            raise ValueError(f"--rival: NAME=[DIR][@TREE][+ENGINE] with a new name, got {spec!r}")
+        if plus and engine not in ENGINES:
+            raise ValueError(f"--rival: the engine after + is one of {ENGINES}, got {engine!r} in {spec!r}")
+        out.append((name, heads or None, tree or "auto", engine == "compiled" if plus else None))
     return out
 
 
@@ -448,11 +463,12 @@ def main(argv=None) -> None:
                    "runs once)")
     p.add_argument("--sweep", help="also run MEDUSA with the calibrated tree of each of these sizes, e.g. 1,2,4,8,16,32,64, "
                    "and plot measured vs predicted speed (needs calibrated heads)")
-    p.add_argument("--rival", action="append", default=[], metavar="NAME=[DIR][@TREE]",
-                   help="also run MEDUSA with other heads (DIR; default: --heads') and/or another tree (auto, "
-                   "confident, confident:N; default auto) on the same model, side by side, e.g. hydra=heads/hydra "
-                   "or confident=@confident; repeatable. Calibrate all heads on the same data (the guess vocabulary "
-                   "is the model's)")
+    p.add_argument("--rival", action="append", default=[], metavar="NAME=[DIR][@TREE][+ENGINE]",
+                   help="also run MEDUSA with other heads (DIR; default: --heads'), another tree (auto, confident, "
+                   "confident:N, a JSON tree: [] is plain decoding; default auto) and/or on the other engine "
+                   "(+compiled, +eager) on the same model, side by side, e.g. hydra=heads/hydra, "
+                   "confident=@confident or compiled=+compiled; repeatable. Calibrate all heads on the same data "
+                   "(the guess vocabulary is the model's)")
     p.add_argument("--concurrency", metavar="N,N,...",
                    help="instead: the server under load over HTTP, e.g. 1,4,8,16 concurrent clients (first turns as "
                    "prompts): MEDUSA and plain batching against one request at a time; tokens/s, latency, errors")

@@ -16,12 +16,13 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
+from . import compiled as engine
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
 from .kernels import guess_projection
-from .tree import Tree, build, node_index
+from .tree import Tree, build, node_index, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
 
@@ -150,23 +151,10 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, 
     return tree, tokens, (tops, ranked)
 
 
-def step_mask(trees: list[Tree], lengths: list[int], start: int, nodes: int, dtype, device) -> torch.Tensor:
-    """[B, 1, nodes, start+nodes] additive mask of one step whose row b has lengths[b] entries and its nodes at
-    columns lengths[b].. (cache.place; `start`: the longest row's length): a node sees its row's own entries and its
-    ancestors in the row's tree, never the hole past a shorter row; the padding nodes after a smaller tree see
-    themselves only."""
-    seen = torch.zeros(len(trees), nodes, start + nodes, dtype=torch.bool)
-    for row, (tree, length) in enumerate(zip(trees, lengths)):
-        seen[row, :, :length] = True
-        seen[row, :, length : length + nodes] = torch.eye(nodes, dtype=torch.bool)
-        seen[row, : tree.num_nodes, length : length + tree.num_nodes] = tree.attention
-    mask = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, torch.finfo(dtype).min)
-    return mask[:, None].to(device)
-
-
 def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[1, 1, N+1, prefix_len+N+1] additive mask: every node sees the prefix and its own ancestors."""
-    return step_mask([tree], [prefix_len], prefix_len, tree.num_nodes, dtype, device)
+    return kv.step_mask(torch.tensor([prefix_len], device=device), tree.attention[None].to(device),
+                        prefix_len + tree.num_nodes, dtype)
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int):
@@ -203,6 +191,7 @@ class Plan:
     tokens: torch.Tensor  # [N+1] the root and the candidates
     guesses: torch.Tensor | dict | None  # the heads' guesses, for the guard (propose)
     timed: bool  # whether the step's time tells the guard about its tree
+    nodes: int  # the nodes of the guard's pick: a compiled step's size, whatever the budget or confidence leaves
 
 
 class Batch:
@@ -210,10 +199,11 @@ class Batch:
     each produced; a row leaves by itself when done (budget, EOS), or by `leave` (a stop string, a cancelled
     request). The cache's rows follow `rows`."""
 
-    def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
+    def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None, compiled: bool = False):
         self.model, self.heads, self.lm_head = model, heads, guess_projection(model)  # the guesses' projection
         self.embed = model.get_input_embeddings()  # what hydra heads read of the tokens before their guess
-        self.cache = kv.allocate(model, 0)
+        self.compiled = compiled  # compiled.py's fixed-shape steps, else eager ones
+        self.cache = kv.allocate(model, engine.CAPACITY if compiled else 0, whole=compiled)
         self.rows: list[Row] = []
 
     def join(self, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
@@ -239,7 +229,7 @@ class Batch:
         """Propose: the row's tree for this step (its guard weighs it at this batch's size, with the batch's mean
         yields `pooled`) and its candidates."""
         tree, watched = row.guard.choose(row.length, len(self.rows), pooled)  # watched: the tree guessed for, or None
-        budget = row.config.max_new_tokens - row.produced - 1  # never guess past the budget
+        budget, nodes = row.config.max_new_tokens - row.produced - 1, tree.num_nodes  # never guess past the budget
         if row.guard.ladder.confident and watched is not None:  # the tree: the likeliest nodes of this step
             tree, tokens, guesses = propose_confident(self.heads, self.lm_head, self.embed, row.hidden, row.root,
                                                       tree.num_nodes - 1, watched.num_nodes - 1)
@@ -249,7 +239,7 @@ class Batch:
             step_tree = tree.truncated(budget)
             tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched)
         # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
-        return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None)
+        return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None, nodes)
 
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per
@@ -259,21 +249,32 @@ class Batch:
         lengths = [row.length for row in rows]
         with torch.inference_mode():
             plans = [self.plan(row, mean) for row, mean in zip(rows, batch_yields([row.guard for row in rows]))]
-            nodes = max(plan.tree.num_nodes for plan in plans)
+            nodes = max(plan.nodes if self.compiled else plan.tree.num_nodes for plan in plans)
             device = plans[0].tokens.device
             tokens = torch.zeros(len(rows), nodes, dtype=torch.long, device=device)  # [B, T], padding 0
-            positions = torch.tensor(lengths, device=device)[:, None].repeat(1, nodes)
             for b, plan in enumerate(plans):
                 tokens[b, : plan.tree.num_nodes] = plan.tokens
-                positions[b, : plan.tree.num_nodes] += plan.tree.depths.to(device)
-            mask = step_mask([plan.tree for plan in plans], lengths, start, nodes, self.model.dtype, device)
-            kv.reserve(self.cache, len(rows), start + nodes)
+            trees = [padded(plan.tree, nodes, device) for plan in plans]  # (depths, parents, attention, chains) each
+            lengths_t = torch.tensor(lengths, device=device)
+            width = self.heads.config.num_heads + 1 if self.compiled and nodes > 1 else 1  # the longest path
+            kv.reserve(self.cache, len(rows), start + max(nodes, width))
             kv.place(self.cache, lengths, nodes)
-            logits, hidden = forward(self.model, tokens, self.cache, position_ids=positions, attention_mask=mask)
-            accepted = [RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree, row.config,
-                                               row.generator) for b, (row, plan) in enumerate(zip(rows, plans))]
-            paths = [path.tolist() for path, _ in accepted]
-            kv.commit(self.cache, lengths, paths)
+            if self.compiled:  # greedy acceptance comes with the pass
+                logits, hidden, greedy = engine.verify(self.model, self.cache, tokens, lengths_t, trees)
+            else:
+                depths, attention = torch.stack([t[0] for t in trees]), torch.stack([t[2] for t in trees])
+                mask = kv.step_mask(lengths_t, attention, start + nodes, self.model.dtype)
+                logits, hidden = forward(self.model, tokens, self.cache, position_ids=lengths_t[:, None] + depths,
+                                         attention_mask=mask)
+            accepted = [greedy[b] if self.compiled and row.config.temperature == 0
+                        else RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree,
+                                                    row.config, row.generator)
+                        for b, (row, plan) in enumerate(zip(rows, plans))]
+            paths = [torch.as_tensor(path).tolist() for path, _ in accepted]
+            if width > 1:
+                engine.commit(self.cache, lengths, paths, width, lengths_t)
+            else:  # eager, or a plain compiled step, whose token is in place already
+                kv.commit(self.cache, lengths, paths)
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
@@ -309,14 +310,16 @@ def decode(
     trees: Tree | Ladder,
     eos_ids: frozenset[int] = frozenset(),
     generator: torch.Generator | None = None,
+    compiled: bool = False,
 ) -> Iterator[tuple[list[int], int]]:
     """One request, a batch of one. Yields the tokens of each forward pass and how many candidates it verified: the
     prefill's one token (0), then 1 + accepted per step. Stops after max_new_tokens tokens or at an EOS token (which
     is yielded).
 
     prompt: [T] token ids. trees: one tree, or a Ladder of trees of which a Guard picks one per step (`--tree auto`).
+    compiled: on the compiled engine (compiled.py), else the eager one.
     """
-    batch = Batch(model, heads)
+    batch = Batch(model, heads, compiled)
     row = batch.join(prompt, config, trees, eos_ids, generator)
     yield [row.root], 0
     while batch.rows:

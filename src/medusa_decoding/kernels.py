@@ -18,22 +18,21 @@ bitwise what float32 weights give, from a fifth (Q4_1) or a third (Q8_0) of the 
 1 / 4 tokens on a 2-core Ice Lake Xeon: 11.3 / 16.4 ms against 22.4 / 24.8). Other weights run in float32 as
 before.
 
-`compiled` runs the backbone through `torch.compile` (inductor, dynamic shapes: a few graphs, for the prefill, the
-trees and a single token), with native linears inside on a CPU in float32. It fuses what eager mode runs as
-hundreds of small ops per pass (norms, rotary, the tree mask). Not the default: its first calls compile for 2-4
-minutes on a 2-core CPU (less with inductor's on-disk cache), which only a long-running process (`medusa serve`,
-`medusa bench`) wins back.
+`compiled` is the compiled engine (compiled.py): every step of a fixed shape through `torch.compile`, one graph
+per tree size, with native linears and attention inside on a CPU in float32 where they build. Its first use compiles
+each tree size (about 40 s each for SmolLM2 on a 2-core CPU; inductor's on-disk cache shortens later runs), which a
+long-running process (`medusa serve`, `medusa bench`) wins back.
 
 `q8` reads the same blocks with each token's activations quantized to 8 bits per block and integer dot products
 (`Q8Linear`, llama.cpp's arithmetic): approximate, faster over one token, not over a tree.
 
-`native` and `q8` run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each query over the
-keys it sees, in position order, so that a tree node gets bitwise what a one-token pass gives its token; with
-batch-invariant linears a tree pass is then bitwise a run of one-token passes. `compiled` runs it through
-`grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key and value once per query
-head that shares them (`repeat_kv`: 3x for SmolLM2, the whole cache, every layer, every step); SDPA's own
-grouped-query support reads them in place (SmolLM2, 2-core Xeon, 348-token context: a 4-token step 41.5 -> 38.4 ms,
-an 8-token one 46.0 -> 43.4; a 1-token step, which `transformers` already packs, unchanged).
+`native`, `q8` and `compiled` run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each
+query over the keys it sees, in position order, so that a tree node gets bitwise what a one-token pass gives its
+token; with batch-invariant linears a tree pass is then bitwise a run of one-token passes. Without the native build,
+`compiled` runs it through `grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key
+and value once per query head that shares them (`repeat_kv`: 3x for SmolLM2, the whole cache, every layer, every
+step); SDPA's own grouped-query support reads them in place (SmolLM2, 2-core Xeon, 348-token context: a 4-token step
+41.5 -> 38.4 ms, an 8-token one 46.0 -> 43.4; a 1-token step, which `transformers` already packs, unchanged).
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
 output stays the same. Under native or compiled kernels on a CPU in float32 they go through an int8 copy of the LM
@@ -280,11 +279,15 @@ AttentionMaskInterface.register(INVARIANT_ATTENTION, sdpa_mask)
 
 
 def compile_error(device: torch.device) -> str | None:
-    """Why torch.compile cannot run on `device` here, or None: on a CPU, inductor builds C++ with its compiler."""
+    """Why torch.compile cannot run on `device` here, or None: on a CPU inductor builds C++ with its compiler, on a
+    GPU it writes Triton kernels."""
     from torch._inductor import config
+    from torch.utils._triton import has_triton
 
+    if torch.device(device).type != "cpu":
+        return None if has_triton() else "no Triton (torch.compile writes GPU kernels in Triton; pip install triton)"
     compiler = config.cpp.cxx[-1]  # $CXX, else g++
-    if torch.device(device).type != "cpu" or shutil.which(compiler) is not None:
+    if shutil.which(compiler) is not None:
         return None
     return f"no C++ compiler: {compiler!r} is not on PATH (torch.compile builds C++ on the CPU; install g++, or set CXX)"
 
@@ -294,10 +297,15 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: native on a CPU in float32 where it builds, else stock. q8 as native. compiled runs anywhere."""
+    """auto: compiled on a GPU where torch.compile runs (else stock, saying why once), native on a CPU in float32
+    where it builds, else stock. q8 as native. compiled runs anywhere torch.compile does."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     cpu_fp32 = cpu_float32(device, dtype)
+    if kernels == "auto" and torch.device(device).type == "cuda":
+        if (error := compile_error(device)) is not None:
+            print(f"medusa: compiled engine unavailable, decoding eagerly: {error}", file=sys.stderr)
+        return "stock" if error else "compiled"
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
     native = kernels in ("native", "q8")
@@ -312,15 +320,15 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", "q8", and "compiled" on a
     CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with 8-bit
-    activations under "q8": Q8Linear), the backbone through `torch.compile` with dynamic shapes ("compiled"). A
-    float32 CPU model gets `invariant_attention` ("native", "q8") or `grouped_sdpa` ("compiled") in sdpa's place, and
-    its LM head an int8 copy for the heads' guesses (`guess_projection`)."""
+    activations under "q8": Q8Linear); "compiled" then decodes on the compiled engine (compiled.py, which
+    decoding.Batch runs where MedusaModel's kernels say so). A float32 CPU model gets `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head an int8
+    copy for the heads' guesses (`guess_projection`)."""
     if kernels == "stock":
         return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    native = kernels in ("native", "q8")
-    if native or (kernels == "compiled" and cpu_fp32 and native_available()):
+    native = kernels in ("native", "q8") or (kernels == "compiled" and cpu_fp32 and native_available())
+    if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         for module in [m for m in model.modules() if type(m) is nn.Linear]:
             module.__class__ = NativeLinear
@@ -332,10 +340,6 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     # measured on a CPU only; models that take no registered attention function keep theirs
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
-    if kernels == "compiled" and model.base_model._compiled_call_impl is None:
-        # inductor's size asserts re-check every input and op output (840 per SmolLM2 step, ~1 ms on a 2-core CPU)
-        # that dynamo's guards and the ops' registered shapes already fix
-        model.base_model.compile(dynamic=True, options={"size_asserts": False})
     if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
@@ -371,10 +375,8 @@ def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
 
 @contextlib.contextmanager
 def stock_kernels(model: nn.Module):
-    """Runs native linears on stock kernels and a compiled backbone eagerly inside the block: the baseline of what
-    `transformers` alone gives."""
+    """Runs native linears on stock kernels inside the block: the baseline of what `transformers` alone gives."""
     native = [(m, type(m)) for m in model.modules() if isinstance(m, NativeLinear)]
-    compiled, model.base_model._compiled_call_impl = model.base_model._compiled_call_impl, None
     attention = model.config._attn_implementation
     ours = attention in (GROUPED_SDPA, INVARIANT_ATTENTION)
     for module, _ in native:
@@ -384,7 +386,6 @@ def stock_kernels(model: nn.Module):
     try:
         yield model
     finally:
-        model.base_model._compiled_call_impl = compiled
         for module, kind in native:
             module.__class__ = kind
         if ours:

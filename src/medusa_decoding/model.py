@@ -80,6 +80,7 @@ class MedusaModel:
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
+        self.compiled = self.kernels == "compiled"  # decodes on the compiled engine (compiled.py), else eagerly
         tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
         self.trees = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
         for each in self.trees.trees:
@@ -119,9 +120,10 @@ class MedusaModel:
             "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
             probabilities (decoding.propose_confident); "confident:N": N of them every step.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (native on a CPU in float32 where it builds, else stock), "stock", "native", "q8" (native
-            with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the backbone through
-            torch.compile: its first calls compile for minutes on a small CPU).
+        kernels: "auto" (compiled on a GPU; native on a CPU in float32 where it builds, else stock), "stock",
+            "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the
+            compiled engine, compiled.py: fixed-shape steps through torch.compile; each tree size compiles on first
+            use, about 40 s on a small CPU).
         """
         confident_tree(tree)  # a malformed tree fails before the model loads
         cuda = torch.cuda.is_available()
@@ -150,9 +152,10 @@ class MedusaModel:
         return cls.assemble(base, tokenizer, heads, tree, kernels)
 
     @classmethod
-    def assemble(cls, base: PreTrainedModel, tokenizer, heads: str | os.PathLike | MedusaHeads, tree, kernels: str
-                 ) -> "MedusaModel":
-        """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained)."""
+    def assemble(cls, base: PreTrainedModel, tokenizer, heads: str | os.PathLike | MedusaHeads, tree, kernels: str,
+                 compiled: bool | None = None) -> "MedusaModel":
+        """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained);
+        compiled: on the compiled engine or not, whatever the kernels (default: as they say)."""
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
         mode, size = confident_tree(tree)
         given = None if mode in ("auto", "confident") else tree
@@ -163,7 +166,7 @@ class MedusaModel:
                 given = json.loads((heads_dir / TREE_NAME).read_text())
         medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
                      kernels)
-        medusa.heads_dir = heads_dir
+        medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
         if heads_dir is not None:
             from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
 
@@ -177,10 +180,21 @@ class MedusaModel:
                             else replace(medusa.trees, confident=True))
         return medusa
 
-    def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto") -> "MedusaModel":
-        """Other heads (or the same with another tree) on this base model, its weights and kernels shared (`medusa
-        bench --rival`). The guess vocabulary is the model's: the one these heads were calibrated with from then on."""
-        return self.assemble(self.model, self.tokenizer, heads, tree, self.kernels)
+    def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto", compiled: bool | None = None
+                   ) -> "MedusaModel":
+        """Other heads (or the same with another tree, or on the other engine: `compiled`) on this base model, its
+        weights and kernels shared (`medusa bench --rival`). The guess vocabulary is the model's: the one these heads
+        were calibrated with from then on."""
+        return self.assemble(self.model, self.tokenizer, heads, tree, self.kernels,
+                             self.compiled if compiled is None else compiled)
+
+    def warm_up(self, prompt, config: GenerationConfig | None = None, max_new_tokens: int = 8) -> None:
+        """A few tokens with every tree the guard may pick and plainly, off the clock: the compiled engine compiles
+        each tree size on its first step (and kernels load on their first call)."""
+        config = replace(config or GenerationConfig(), max_new_tokens=max_new_tokens)
+        for tree in self.trees.trees:
+            self.with_heads(self.heads, tree).generate(prompt, config=config)
+        self.generate(prompt, config=replace(config, medusa=False))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
         """The heads (safetensors + config.json) and the tree they decode with."""
@@ -306,7 +320,7 @@ class Running:
     last."""
 
     def __init__(self, medusa: MedusaModel):
-        self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads)
+        self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads, medusa.compiled)
         self.requests: dict[Row, tuple[object, GenerationConfig, list[int]]] = {}  # row -> (key, config, tokens)
 
     def __len__(self) -> int:

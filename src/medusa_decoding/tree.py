@@ -151,3 +151,19 @@ def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
         chains=chains,
         levels=tuple(levels),
     )
+
+
+@lru_cache(maxsize=256)
+def padded(tree: Tree, nodes: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """The tree's tensors for a step of `nodes` >= N+1 nodes (a batch's largest tree, or a compiled step's fixed
+    size), on `device`: depths [T], parents [T] (the root's and padding's: 0), attention [T, T] (a padding node sees
+    itself) and chains [T, T] (node i's path, then j itself at column j past its end: a path that moves nothing
+    there, cache.gather_paths)."""
+    n, width = tree.num_nodes, tree.chains.shape[1]
+    depths, parents = torch.zeros(nodes, dtype=torch.long), torch.zeros(nodes, dtype=torch.long)
+    depths[:n], parents[:n] = tree.depths, tree.parents.clamp_min(0)
+    attention = torch.eye(nodes, dtype=torch.bool)
+    attention[:n, :n] = tree.attention
+    chains = torch.arange(nodes).repeat(nodes, 1)
+    chains[:n, :width] = torch.where(tree.chains == PAD, torch.arange(width), tree.chains)
+    return tuple(t.to(device) for t in (depths, parents, attention, chains))

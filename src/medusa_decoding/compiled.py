@@ -1,0 +1,83 @@
+"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size.
+
+Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter
+(SmolLM2 on a 2-core EPYC: a one-token step 15.5 ms eagerly against 10.1 ms compiled, llama.cpp's 10.5 ms); on a GPU
+it is bound by launching them. `torch.compile` removes them only where shapes do not change, so a step here never
+changes shape with the context: the KV cache has a fixed capacity whose every column the step attends (cache.py,
+`whole`: the mask hides the columns not in use), writes its nodes at a column tensor, builds its positions and mask
+inside the graph from the tree's tensors and the rows' lengths, and runs greedy acceptance inside too; the accepted
+paths move into place with one gather/scatter (`cache.gather_paths`). One graph then serves a tree size (and batch
+size) for every request and context length up to the capacity, and a step reads the device once (the accepted
+paths). The prefill stays eager: it runs once per request, at a length no two requests share.
+
+On a GPU the graphs replay as CUDA graphs (`mode="reduce-overhead"`); inductor caches what it compiled on disk
+(`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
+compiler for inductor on a CPU), kernels.resolve_kernels says so in one line and the engine stays eager.
+"""
+
+import functools
+
+import torch
+from transformers import Cache, PreTrainedModel
+
+from . import cache as kv
+
+CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
+
+
+def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
+                 depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor):
+    """One verification step of fixed shape. tokens, depths, parents [B, T], attention, chains [B, T, T] (tree.padded),
+    lengths [B] -> logits [B, T, V], hidden [B, T, H] and greedy acceptance (accept_greedy)."""
+    mask = kv.step_mask(lengths, attention, cache.layers[0].capacity, model.dtype)
+    hidden = model.base_model(input_ids=tokens, past_key_values=cache, use_cache=True, attention_mask=mask,
+                              position_ids=lengths[:, None] + depths).last_hidden_state
+    logits = model.get_output_embeddings()(hidden)
+    return logits, hidden, accept_greedy(tokens, logits.argmax(-1), depths, parents, attention, chains)
+
+
+def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
+                  attention: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:
+    """acceptance.greedy for a batch, in tensor ops only (no read of the device): tokens, argmax (the base model's
+    token after each node) [B, T] and the trees' padded tensors -> [B, 2+T]: the accepted count, the token after the
+    path, then the path's node indices (continued by cache.gather_paths' padding)."""
+    accepted = (tokens == argmax.gather(1, parents)) | (depths == 0)  # the root (and padding) stands
+    good = ~(attention & ~accepted[:, None, :]).any(-1)  # [B, T]: every node of its path accepted
+    best = (good * (depths + 1)).argmax(-1)  # the deepest: greedy accepts one chain (ties: the root, first)
+    rows = torch.arange(len(tokens), device=tokens.device)
+    count, root = depths[rows, best] + 1, argmax[rows, best]
+    return torch.cat([count[:, None], root[:, None], chains[rows, best]], dim=1)
+
+
+@functools.cache
+def graphs(device_type: str):
+    """The compiled verification step and path mover for a device type; dynamo keeps one graph per shape."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
+    if device_type == "cuda":
+        settings = {"mode": "reduce-overhead"}
+    else:  # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)
+        settings = {"options": {"size_asserts": False}}
+    return (torch.compile(verify_graph, dynamic=False, **settings),
+            torch.compile(kv.gather_paths, dynamic=False, **settings))
+
+
+def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
+           padded: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
+    """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
+    -> (logits [B, T, V], hidden [B, T, H], each row's greedy (accepted path, next token))."""
+    depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
+    logits, hidden, greedy = graphs(tokens.device.type)[0](model, cache, tokens, lengths, depths, parents, attention,
+                                                           chains)
+    return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in greedy.tolist()]  # one read
+
+
+def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int, on_device: torch.Tensor) -> None:
+    """kv.commit for a compiled tree step (lengths: on the host, and `on_device`): the accepted paths, each continued
+    to `width` (the heads + 1: any path's longest, whatever the tree's size, so one graph serves every tree), move
+    in one compiled gather/scatter, every tree step alike (so it compiles in the warm-up, not at the first path that
+    moves)."""
+    moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
+    graphs(on_device.device.type)[1](cache, on_device, moves)
+    wide = max(length + len(path) for length, path in zip(lengths, paths))
+    for layer in cache.layers:
+        layer.view(len(paths), wide)

@@ -1,0 +1,113 @@
+"""The compiled engine: fixed-shape steps decode what the eager engine decodes, token for token, with one graph per
+tree size whatever the prompt, context length or budget; its acceptance and path moves on the device equal the eager
+ones. (Rejection sampling through it: test_sampling.)"""
+
+import copy
+
+import pytest
+import torch
+from conftest import FAMILIES, needs_compiler
+from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+
+from medusa_decoding import cache as kv
+from medusa_decoding import compiled
+from medusa_decoding.acceptance import greedy
+from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
+from medusa_decoding.decoding import PLAIN, Batch, decode, prefill, verify
+from medusa_decoding.guard import Ladder
+from medusa_decoding.kernels import use_kernels
+from medusa_decoding.tree import Tree, padded
+
+PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
+# three sizes: the confident trees (a different shape each step) have DEFAULT_TREE's size, so they add no graph
+TREES = (PLAIN, Tree.from_spec([2, 1]), Tree.from_spec(DEFAULT_TREE), Ladder.fixed(Tree.from_spec(DEFAULT_TREE), True))
+SIZES = 3
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def graphs() -> int:
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def tokens_of(model, heads, prompt, tree, new_tokens, eager=False):
+    steps = decode(model, heads, prompt, GenerationConfig(max_new_tokens=new_tokens), tree, compiled=not eager)
+    return [t for step, _ in steps for t in step]
+
+
+@needs_compiler
+def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family):
+    model = lively_model(family, seed=FAMILIES.index(family))
+    engine = use_kernels(copy.deepcopy(model), "compiled")
+    # the oracle's paths are accepted deep and cut at every depth: the moves and the greedy rule see real work
+    long_prompt, new_tokens = PROMPT.repeat(3), (40, 23)
+    references = [greedy_reference(model, prompt, n) for prompt, n in zip((PROMPT, long_prompt), new_tokens)]
+    heads = [OracleHeads(engine, torch.cat([prompt, torch.tensor(reference)]))
+             for prompt, reference in zip((PROMPT, long_prompt), references)]
+    before = graphs()
+    for tree in TREES:
+        assert tokens_of(engine, heads[0], PROMPT, tree, new_tokens[0]) == references[0]
+    first = graphs() - before
+    # a step per tree size, and one path mover for every tree (unless a model of the same cache shapes compiled it)
+    assert SIZES <= first <= SIZES + 1
+    for tree in TREES:  # another prompt, context and budget (the last steps' trees cut short): no new graph
+        assert tokens_of(engine, heads[1], long_prompt, tree, new_tokens[1]) == references[1]
+    assert graphs() - before == first
+    assert tokens_of(engine, heads[0], PROMPT, TREES[2], new_tokens[0], eager=True) == references[0]
+
+
+@needs_compiler
+def test_compiled_batch_decodes_each_row_as_alone():
+    model = lively_model("qwen2")
+    engine = use_kernels(copy.deepcopy(model), "compiled")
+    prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
+    budgets = (30, 12, 21)  # rows leave at different steps
+    batch = Batch(engine, random_heads(engine), compiled=True)
+    rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
+            for prompt, n in zip(prompts, budgets)]
+    produced = {id(row): [row.root] for row in rows}
+    while batch.rows:
+        for row, new, _ in batch.step():
+            produced[id(row)] += new
+    assert [produced[id(row)] for row in rows] == [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
+
+
+@pytest.mark.parametrize("spec", [DEFAULT_TREE, [3, 2, 2], [[0], [1], [1, 0], [1, 1], [1, 1, 0]]])
+def test_device_greedy_acceptance_equals_the_eager_rule(spec):
+    tree, generator = Tree.from_spec(spec), torch.Generator().manual_seed(0)
+    rows, nodes = 64, tree.num_nodes + 3  # padded, as in a batch with a larger tree
+    depths, parents, attention, chains = (torch.stack([t] * rows) for t in padded(tree, nodes, torch.device("cpu")))
+    argmax = torch.randint(0, 4, (rows, nodes), generator=generator)  # 4 tokens: many accepted, at every depth
+    # siblings hold distinct tokens (ranks of one top-k), so at most one of them is the argmax
+    ranks = torch.cat([torch.zeros(1, dtype=torch.long), tree.ranks, torch.zeros(3, dtype=torch.long)])
+    tokens = (torch.randint(0, 4, (rows, nodes), generator=generator).gather(1, parents) + ranks) % 4
+    got = compiled.accept_greedy(tokens, argmax, depths, parents, attention, chains).tolist()
+    lengths = set()
+    for b in range(rows):
+        logits = torch.nn.functional.one_hot(argmax[b, : tree.num_nodes], 4).float()
+        path, root = greedy(tokens[b, : tree.num_nodes], logits, tree, GenerationConfig())
+        count = got[b][0]
+        assert (got[b][2 : 2 + count], got[b][1]) == (path.tolist(), root)
+        assert got[b][2 + count :] == list(range(count, nodes))  # the padding moves nothing
+        lengths.add(count)
+    assert len(lengths) >= 3
+
+
+def test_gather_paths_moves_what_commit_moves(family):
+    model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
+    tokens = torch.randint(0, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
+    paths = ([0], [0, 1, 4, 7, 8], [0, 2, 6], [0, 3])  # DEFAULT_TREE's nodes: 6 is (1, 0), 3 (2,)
+    with torch.no_grad():
+        caches = []
+        for _ in range(2):
+            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
+            verify(model, cache, tokens, tree, len(PROMPT))
+            caches.append(cache)
+        for path in paths:  # the same pass committed both ways, one path after another
+            kv.commit(caches[0], [len(PROMPT)], [path])
+            moves = torch.tensor([path + list(range(len(path), tree.num_nodes))])
+            kv.gather_paths(caches[1], torch.tensor([len(PROMPT)]), moves)
+            end = len(PROMPT) + len(path)
+            for mine, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
+                assert torch.equal(mine.key_buffer[:, :, :end], theirs.key_buffer[:, :, :end])
+                assert torch.equal(mine.value_buffer[:, :, :end], theirs.value_buffer[:, :, :end])
