@@ -31,7 +31,6 @@ from medusa_decoding.calibrate import device_name, greedy_trees, measure_step_la
 from medusa_decoding.config import CalibrateConfig, HeadsConfig
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads
-from medusa_decoding.kernels import use_kernels
 from medusa_decoding.model import GenerationOutput
 
 PROMPTS = Path(__file__).with_name("prompts") / "held_out.jsonl"
@@ -59,13 +58,8 @@ def copy_bandwidth(device: torch.device) -> float:
 def random_llama(shape: dict, device: torch.device):
     """A Llama of `shape` with small random bfloat16 weights, on `device`, and heads of the MEDUSA layout for it."""
     config = transformers.LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False)
-    with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
-    model = model.to_empty(device=device).to(torch.bfloat16).eval()
-    with torch.no_grad():
-        for parameter in model.parameters():
-            parameter.normal_(0, 0.02)
-        model.model.rotary_emb.__init__(config, device=device)  # its buffers were on meta, as empty as the weights
+    with torch.device(device):  # initialised where it runs (transformers' own init: normal, std 0.02)
+        model = transformers.LlamaForCausalLM._from_config(config, dtype=torch.bfloat16).eval()
     heads = MedusaHeads(HeadsConfig(shape["hidden_size"], shape["vocab_size"], 4)).to(device, torch.bfloat16)
     return model, heads
 
@@ -77,10 +71,9 @@ def step_latencies(model, heads, nodes: list[int]) -> dict:
     trees = greedy_trees(accuracy, [0] + [n - 1 for n in nodes])
     timing = CalibrateConfig(latency_contexts=(CONTEXT,), latency_repeats=10)
     latencies = {}
-    for engine in ("eager", "compiled"):
-        use_kernels(model, "compiled" if engine == "compiled" else "stock")
-        _, (seconds,) = measure_step_latency(SimpleNamespace(model=model, heads=heads), trees, timing)
-        latencies[engine] = seconds
+    for engine in ("eager", "compiled"):  # the same modules (stock kernels off a CPU in float32), two engines
+        engine_view = SimpleNamespace(model=model, heads=heads, compiled=engine == "compiled")
+        _, (latencies[engine],) = measure_step_latency(engine_view, trees, timing)
     return latencies
 
 
@@ -146,7 +139,8 @@ def main() -> None:
 def table(report: dict) -> str:
     floor, compiled = report["floor_s"], report["step_s"]["compiled"]
     lines = [f"{report['device']}; torch {report['torch']}, transformers {report['transformers']}",
-             f"7B-shaped step at a {report['context']}-token context; bandwidth floor {floor * 1e3:.2f} ms "
+             f"Llama of {report['shape']['num_hidden_layers']} layers x {report['shape']['hidden_size']} (random "
+             f"weights), step at a {report['context']}-token context; bandwidth floor {floor * 1e3:.2f} ms "
              f"({report['weight_bytes'] / 1e9:.1f} GB at {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)",
              "| nodes | eager (ms) | compiled (ms) | compiled / floor | compiled / plain |", "| --- | --- | --- | --- | --- |"]
     for i, nodes in enumerate(report["nodes"]):
@@ -175,7 +169,8 @@ def plot(report: dict, path: str) -> None:
     for engine, seconds in report["step_s"].items():
         steps.plot(report["nodes"], [s * 1e3 for s in seconds], marker="o", label=engine)
     steps.axhline(report["floor_s"] * 1e3, color="gray", linestyle="--", label="bandwidth floor")
-    steps.set(xscale="log", xlabel="tree nodes (1: plain)", ylabel="step (ms)", title="7B-shaped Llama step")
+    steps.set(xscale="log", xlabel="tree nodes (1: plain)", ylabel="step (ms)",
+              title=f"Llama {report['shape']['num_hidden_layers']} x {report['shape']['hidden_size']} step")
     steps.legend()
     names = list(report["smollm2"]["tokens_per_s"])
     speed.bar(names, [report["smollm2"]["tokens_per_s"][n] for n in names])
