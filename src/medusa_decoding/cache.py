@@ -132,12 +132,18 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
     # a path's leading 0, 1, 2, ... are in place already, and only the rest move (a plain step's [0] moves nothing)
     moves = [(b, length + i, length + node) for b, (length, path) in enumerate(zip(lengths, paths))
              for i, node in enumerate(path) if i != node]
-    wide = max(length + len(path) for length, path in zip(lengths, paths)) if paths else 0
     if moves:
         rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves))
         for layer in cache.layers:
             for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
                 buffer[rows, :, to] = buffer[rows, :, source]
+    settle(cache, lengths, paths)
+
+
+def settle(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
+    """After the accepted paths moved into place (commit, gather_paths): the cache is as wide as the longest row, and
+    the next pass writes after it unless placed again."""
+    wide = max(length + len(path) for length, path in zip(lengths, paths)) if paths else 0
     for layer in cache.layers:
         layer.view(len(lengths), wide)
         layer.placed = None
@@ -157,7 +163,7 @@ def step_mask(lengths: torch.Tensor, attention: torch.Tensor, columns: int, dtyp
 def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> None:
     """commit's moves as one gather/scatter per buffer, of a fixed shape: row b's node paths[b, i] goes to column
     lengths[b] + i for every i < T, where paths [B, T] continues each accepted path with i itself (moving nothing).
-    The views (the width in use) are the caller's to set."""
+    The views (the width in use) are then the caller's to `settle`."""
     rows = torch.arange(len(lengths), device=lengths.device)[:, None]
     to = lengths[:, None] + torch.arange(paths.shape[1], device=lengths.device)
     source = lengths[:, None] + paths

@@ -41,7 +41,7 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
                   attention: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:
     """acceptance.greedy for a batch, in tensor ops only (no read of the device): tokens, argmax (the base model's
     token after each node) [B, T] and the trees' padded tensors -> [B, 2+T]: the accepted count, the token after the
-    path, then the path's node indices (continued by cache.gather_paths' padding)."""
+    path, then the path's node indices (continued by the chains' padding, past the count)."""
     accepted = (tokens == argmax.gather(1, parents)) | (depths == 0)  # the root (and padding) stands
     good = ~(attention & ~accepted[:, None, :]).any(-1)  # [B, T]: every node of its path accepted
     best = (good * (depths + 1)).argmax(-1)  # the deepest: greedy accepts one chain (ties: the root, first)
@@ -79,6 +79,4 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int,
     moves)."""
     moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
     graphs(on_device.device.type)[1](cache, on_device, moves)
-    wide = max(length + len(path) for length, path in zip(lengths, paths))
-    for layer in cache.layers:
-        layer.view(len(paths), wide)
+    kv.settle(cache, lengths, paths)
