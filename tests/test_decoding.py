@@ -21,7 +21,7 @@ from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
 from medusa_decoding.guard import Ladder
-from medusa_decoding.kernels import native_build, reads_blocks, stock_kernels
+from medusa_decoding.kernels import Q8Linear, native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
 
 ATTENTION = ("sdpa", "eager")
@@ -287,6 +287,18 @@ def test_smollm_on_q8_kernels_medusa_is_plain_decoding_to_the_token():
         assert medusa.token_ids == plain.token_ids and plain.steps == len(plain.token_ids)
         accepted += len(medusa.token_ids) - medusa.steps
     assert accepted > NEW_TOKENS // 2  # the heads' guesses were taken: trees were verified, not plain steps
+
+
+@needs_native
+@needs_compiler
+def test_smollm_on_the_compiled_q8_engine_medusa_is_plain_decoding_to_the_token():
+    """The fast CPU path (compiled engine, 8-bit activations): lossless against plain decoding on the same engine, with
+    the shipped heads taken often, and near the float32 model's own greedy answer."""
+    fast = MedusaModel.from_pretrained(kernels="compiled-q8", tree=WIDE_SPARSE)
+    assert fast.compiled and any(isinstance(m, Q8Linear) for m in fast.model.modules())
+    medusa, plain = (fast.generate(SMOL_PROMPT, max_new_tokens=NEW_TOKENS, medusa=on) for on in (True, False))
+    assert medusa.token_ids == plain.token_ids and plain.steps == len(plain.token_ids)
+    assert len(medusa.token_ids) - medusa.steps > NEW_TOKENS // 8  # trees were verified, guesses taken
 
 
 def test_smollm_rejects_bad_prompts_before_any_work(smollm):

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, needs_native
+from conftest import FAMILIES, needs_compiler, needs_native
 from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding import kernels
@@ -19,7 +19,7 @@ from medusa_decoding.decoding import decode, prefill, verify
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.kernels import (GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS, Int8Linear, NativeLinear,
                                      Q8Linear, block_codes, compile_error, guess_projection, load_native, native_build,
-                                     q8_paths, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
+                                     q8_pack, q8_paths, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
                                      use_kernels)
 from medusa_decoding.tree import Tree
 
@@ -300,15 +300,18 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
     weight = gguf_exact(torch.randn(out_features, in_features), qtype)
     weight[out_features // 2] = 0  # a row of zero blocks (d = 0)
     codes, scales = block_codes(weight)
+    packed = q8_pack(codes, scales)
     x = torch.randn(rows, in_features)
     x[0, 32:64] = 0  # a block of zero activations (where there are two)
     paths = q8_paths()
     assert "scalar" in paths and all(name in Q8_PATHS for name in paths)
-    out = {name: torch.ops.medusa.linear_q8(x, codes, scales, bits, Q8_PATHS.index(name)) for name in paths}
-    fastest = torch.ops.medusa.linear_q8(x, codes, scales, bits, -1)
+    out = {name: torch.ops.medusa.linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
+    fastest = torch.ops.medusa.linear_q8(x, *packed, out_features, -1)
     assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
-    for m in range(min(rows, 5)):  # each token as computed alone
-        assert torch.equal(torch.ops.medusa.linear_q8(x[m : m + 1], codes, scales, bits, -1), fastest[m : m + 1])
+    for m in range(min(rows, 5)):  # each token as computed alone, and beside 2 to 11 others (every tile size)
+        assert torch.equal(torch.ops.medusa.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
+        others = torch.cat([torch.randn(m + 2, in_features), x[m : m + 1], torch.randn(2 * m, in_features)])
+        assert torch.equal(torch.ops.medusa.linear_q8(others, *packed, out_features, -1)[m + 2], fastest[m])
     torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
     exact = x @ weight.T
     assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
@@ -317,10 +320,21 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
 @needs_native
 def test_q8_linear_refuses_a_path_this_cpu_lacks():
     load_native()
-    codes, scales = block_codes(gguf_exact(torch.randn(4, 32), "Q4_1"))
+    packed = q8_pack(*block_codes(gguf_exact(torch.randn(4, 32), "Q4_1")))
     missing = [i for i, name in enumerate(Q8_PATHS) if name not in q8_paths()] + [len(Q8_PATHS)]
     with pytest.raises(RuntimeError, match="does not run on this CPU"):
-        torch.ops.medusa.linear_q8(torch.randn(1, 32), codes, scales, 4, missing[0])
+        torch.ops.medusa.linear_q8(torch.randn(1, 32), *packed, 4, missing[0])
+
+
+def test_q8_pack_interleaves_16_rows_4_codes_at_a_time_and_keeps_only_float16_scales():
+    codes = torch.arange(20 * 64, dtype=torch.int32).remainder(251).to(torch.uint8).reshape(20, 64)  # Q8_0, K = 64
+    scales = torch.rand(20, 2, 2).half().float()
+    packed, halves = q8_pack(codes, scales)
+    assert packed.shape == (2, 2, 16 * 32) and halves.dtype == torch.float16
+    for row, block, code in ((0, 0, 0), (5, 1, 7), (19, 1, 31)):  # code j of row r: vector j // 4, lane r, byte j % 4
+        assert packed[row // 16, block, (code // 4) * 64 + (row % 16) * 4 + code % 4] == codes[row, block * 32 + code]
+    assert torch.equal(halves[1, 1, :, 3].float(), scales[19, 1]) and not halves[1, :, :, 4:].any()  # padding rows
+    assert q8_pack(codes, scales + 1e-4) is None  # not what a GGUF block holds
 
 
 @needs_native
@@ -387,13 +401,17 @@ def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kerne
 
 
 @needs_native
-@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
-def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family):
-    model = use_kernels(gguf_model(family), "q8")
+@pytest.mark.parametrize(("family", "kernels_name"), [("llama", "q8"), ("qwen2", "q8"), ("gpt2", "q8"),
+                                                      pytest.param("llama", "compiled-q8", marks=needs_compiler),
+                                                      pytest.param("gpt2", "compiled-q8", marks=needs_compiler)])
+def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family, kernels_name):
+    model, compiled = use_kernels(gguf_model(family), kernels_name), kernels_name == "compiled-q8"
+    assert any(isinstance(m, Q8Linear) for m in model.modules())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    plain = [t for step, _ in decode(model, None, PROMPT, replace(config, medusa=False), PLAIN) for t in step]
-    medusa = [t for step, _ in decode(model, random_heads(model), PROMPT, config, Tree.from_spec(DEFAULT_TREE))
-              for t in step]
+    plain = [t for step, _ in decode(model, None, PROMPT, replace(config, medusa=False), PLAIN, compiled=compiled)
+             for t in step]
+    medusa = [t for step, _ in decode(model, random_heads(model), PROMPT, config, Tree.from_spec(DEFAULT_TREE),
+                                      compiled=compiled) for t in step]
     assert medusa == plain
     reference = greedy_reference(gguf_model(family), PROMPT, NEW_TOKENS)  # the float32 model: q8 rounds
     assert sum(a == b for a, b in zip(plain, reference)) >= NEW_TOKENS // 4

@@ -282,8 +282,13 @@ def setup(medusa) -> str:
     """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks)."""
     dtype = str(medusa.model.dtype).removeprefix("torch.")
     blocks = " on GGUF blocks" if reads_blocks(medusa.model) else ""
-    kernels = "compiled" if medusa.compiled else medusa.kernels  # the engine: a rival may run another (bench)
+    kernels = ON_THE_OTHER_ENGINE.get((medusa.kernels, medusa.compiled), medusa.kernels)
     return f"{device_name(medusa.model.device)}, {dtype}, {kernels} kernels{blocks}"
+
+
+# what runs where a bench rival decodes the model's kernels (key) on the other engine: its latency is that one's
+ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled", ("q8", True): "compiled-q8",
+                       ("compiled", False): "native", ("compiled-q8", False): "q8"}
 
 
 def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[list[float]]:

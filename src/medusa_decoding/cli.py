@@ -33,7 +33,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "stock), stock, native (batch-invariant few-token linears and attention, built once per "
                             "machine), q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
                             "compiled (fixed-shape steps through torch.compile, native kernels inside on a CPU: "
-                            "about 40 s of compiling per tree size on first use, then the fastest steps)")
+                            "about 40 s of compiling per tree size on first use, then the fastest steps), "
+                            "compiled-q8 (compiled, with q8's linears: the fastest on a CPU, approximate)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -17,6 +17,8 @@ compiler for inductor on a CPU, no Triton on a GPU), kernels.resolve_kernels say
 """
 
 import functools
+import types
+import weakref
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -50,16 +52,37 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
     return torch.cat([count[:, None], root[:, None], chains[rows, best]], dim=1)
 
 
-@functools.cache
-def graphs(device_type: str):
-    """The compiled verification step and path mover for a device type; dynamo keeps one graph per shape."""
+def compile_settings(device_type: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
     if device_type == "cuda":
-        settings = {"mode": "reduce-overhead"}
-    else:  # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)
-        settings = {"options": {"size_asserts": False}}
-    return (torch.compile(verify_graph, dynamic=False, **settings),
-            torch.compile(kv.gather_paths, dynamic=False, **settings))
+        return {"dynamic": False, "mode": "reduce-overhead"}
+    # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)
+    return {"dynamic": False, "options": {"size_asserts": False}}
+
+
+STEPS = weakref.WeakKeyDictionary()  # model -> its compiled verification step
+
+
+def step_graph(model: PreTrainedModel):
+    """`model`'s compiled verification step: verify_graph compiled for it alone, without guards on its modules.
+    Dynamo would otherwise re-check some 7000 attributes of the model's modules before every step (1.4 ms of a 9 ms
+    SmolLM2 step on a 2-core EPYC), for changes the engine never makes once use_kernels has run; the inputs' shapes
+    stay guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model
+    gets a copy of verify_graph's code: no model ever runs a graph traced through another's modules."""
+    if (step := STEPS.get(model)) is None:
+        code = verify_graph.__code__.replace()  # an equal, distinct code object
+        fresh = types.FunctionType(code, verify_graph.__globals__, verify_graph.__name__)
+        options = compile_settings(model.device.type)
+        options["options"] = {**options.get("options", {}),
+                              "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        step = STEPS[model] = torch.compile(fresh, **options)
+    return step
+
+
+@functools.cache
+def path_mover(device_type: str):
+    """The compiled path mover (cache.gather_paths) for a device type: one graph per cache shape."""
+    return torch.compile(kv.gather_paths, **compile_settings(device_type))
 
 
 def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -67,16 +90,22 @@ def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: 
     """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
     -> (logits [B, T, V], hidden [B, T, H], each row's greedy (accepted path, next token))."""
     depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
-    logits, hidden, greedy = graphs(tokens.device.type)[0](model, cache, tokens, lengths, depths, parents, attention,
-                                                           chains)
+    logits, hidden, greedy = step_graph(model)(model, cache, tokens, lengths, depths, parents, attention, chains)
     return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in greedy.tolist()]  # one read
 
 
 def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int, on_device: torch.Tensor) -> None:
     """kv.commit for a compiled tree step (lengths: on the host, and `on_device`): the accepted paths, each continued
     to `width` (the heads + 1: any path's longest, whatever the tree's size, so one graph serves every tree), move
-    in one compiled gather/scatter, every tree step alike (so it compiles in the warm-up, not at the first path that
-    moves)."""
-    moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
-    graphs(on_device.device.type)[1](cache, on_device, moves)
+    in one compiled gather/scatter. Paths already in place (node i at the i-th column after the row: the root alone,
+    or the first chain) move nothing, and most steps accept no more than that; the mover still runs on the first
+    tree step of each shape, so that it compiles in the warm-up, not at the first path that moves."""
+    shape = (on_device.device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), width)
+    if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
+        moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
+        path_mover(on_device.device.type)(cache, on_device, moves)
+        MOVED.add(shape)
     kv.settle(cache, lengths, paths)
+
+
+MOVED = set()  # the shapes the path mover has run at (commit)

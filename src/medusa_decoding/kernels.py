@@ -23,10 +23,13 @@ per tree size, with native linears and attention inside on a CPU in float32 wher
 each tree size (about 40 s each for SmolLM2 on a 2-core CPU; inductor's on-disk cache shortens later runs), which a
 long-running process (`medusa serve`, `medusa bench`) wins back.
 
-`q8` reads the same blocks with each token's activations quantized to 8 bits per block and integer dot products
-(`Q8Linear`, llama.cpp's arithmetic): approximate, faster over one token, not over a tree.
+`q8` reads the same blocks, repacked 16 rows at a time (`q8_pack`), with each token's activations quantized to 8 bits
+per block and integer dot products (`Q8Linear`, llama.cpp's arithmetic; VNNI where the CPU has it): approximate
+(benchmarks/q8_fidelity.py), batch-invariant still, and the fastest from one token to a tree (SmolLM2's 211 linears
+on a 2-core EPYC over 1 / 4 / 16 tokens: 4.5 / 5.3 / 12.4 ms, float32 from the blocks 6.2 / 9.1 / 30.5).
+`compiled-q8` runs them on the compiled engine: the fastest CPU setup, for those who accept q8's rounding.
 
-`native`, `q8` and `compiled` run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each
+`native`, `q8` and the compiled kernels run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each
 query over the keys it sees, in position order, so that a tree node gets bitwise what a one-token pass gives its
 token; with batch-invariant linears a tree pass is then bitwise a run of one-token passes. Without the native build,
 `compiled` runs it through `grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key
@@ -56,7 +59,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-KERNELS = ("auto", "stock", "native", "q8", "compiled")
+KERNELS = ("auto", "stock", "native", "q8", "compiled", "compiled-q8")
+COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compiled engine
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp")]
@@ -90,8 +94,7 @@ def native_build() -> str | None:
     torch.library.register_fake("medusa::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake("medusa::linear_blocks")(lambda x, codes, scales, bits: x.new_empty(x.shape[0],
                                                                                                       codes.shape[0]))
-    torch.library.register_fake("medusa::linear_q8")(lambda x, codes, scales, bits, path: x.new_empty(x.shape[0],
-                                                                                                       codes.shape[0]))
+    torch.library.register_fake("medusa::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
     torch.library.register_fake("medusa::attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2],
                                                                                               q.shape[1], q.shape[3]))
     return None
@@ -143,19 +146,39 @@ class NativeLinear(nn.Linear):
 
 class Q8Linear(NativeLinear):
     """A NativeLinear on GGUF blocks whose few-row passes quantize each token's activations to 8 bits per block of 32
-    and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic): still batch-invariant, approximate
-    (`benchmarks/q8_fidelity.py` measures how far from the float32 model), faster over one token (SmolLM2's linears
-    1.2-1.4x on 2 cores), not from 4 tokens on. It runs the fastest instructions this CPU has; the op's `path`
-    argument forces others (Q8_PATHS' index: tests run each)."""
+    and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic) over weights repacked for it
+    (`q8_pack`, in `q8_codes` and `q8_scales`): still batch-invariant, approximate (`benchmarks/q8_fidelity.py`
+    measures how far from the float32 model), and faster than float32 from one token to a tree's 16. It runs the
+    fastest instructions this CPU has; the op's `path` argument forces others (Q8_PATHS' index: tests run each)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * x.shape[-1]:
             return nn.functional.linear(x, self.weight, self.bias)
-        codes = self._buffers["codes"]
-        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), codes, self._buffers["scales"],
-                                         8 * codes.shape[1] // x.shape[-1], -1)
+        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["q8_codes"],
+                                         self._buffers["q8_scales"], self.out_features, -1)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
+
+
+def q8_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """block_codes' (codes, scales) in medusa::linear_q8's layout: rows in groups of 16 (the last padded with zero
+    blocks), per block the group's codes 4 by 4, row after row (4 bytes of row 0, 4 of row 1, ...), so that one
+    integer dot-product instruction sums 4 products in each of 16 rows; the scales in float16, as GGUF stores them, as
+    [group, block, (d, m), row]. Q4_1's bytes already hold weights j and j + 16 as nibbles: byte groups 0-3 give
+    weights 0-15 (low) and 16-31 (high). Returns (codes uint8 [G, K / 32, 16 * bytes a block], scales float16
+    [G, K / 32, 2, 16]), or None where a scale is not a float16 (a weight GGUF blocks did not give).
+
+    >>> [t.shape for t in q8_pack(torch.zeros(20, 32, dtype=torch.uint8), torch.zeros(20, 2, 2))]
+    [torch.Size([2, 2, 512]), torch.Size([2, 2, 2, 16])]
+    """
+    if not torch.equal(scales.half().float(), scales):
+        return None
+    rows, blocks = scales.shape[:2]
+    groups, padding = -(-rows // 16), -rows % 16
+    codes = nn.functional.pad(codes.reshape(rows, blocks, -1), (0, 0, 0, 0, 0, padding))
+    codes = codes.reshape(groups, 16, blocks, -1, 4).permute(0, 2, 3, 1, 4).reshape(groups, blocks, -1)
+    scales = nn.functional.pad(scales, (0, 0, 0, 0, 0, padding)).reshape(groups, 16, blocks, 2).permute(0, 2, 3, 1)
+    return codes.contiguous(), scales.half().contiguous()
 
 
 def q8_paths() -> list[str]:
@@ -298,7 +321,8 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto: compiled on a GPU where torch.compile runs (else stock, saying why once), native on a CPU in float32
-    where it builds, else stock. q8 as native. compiled runs anywhere torch.compile does."""
+    where it builds, else stock. q8 as native. compiled runs anywhere torch.compile does; compiled-q8 where both
+    q8 and torch.compile do."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     cpu_fp32 = cpu_float32(device, dtype)
@@ -308,41 +332,54 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
         return "stock" if error else "compiled"
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
-    native = kernels in ("native", "q8")
+    native = kernels in ("native", "q8", "compiled-q8")
     if native and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
-    error = native_build() if native else compile_error(device) if kernels == "compiled" else None
+    error = native_build() if native else None
+    error = error or (compile_error(device) if kernels in COMPILED else None)
     if error is not None:
         raise ValueError(f"kernels={kernels!r} cannot run here: {error}")
     return kernels
 
 
 def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
-    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", "q8", and "compiled" on a
-    CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with 8-bit
-    activations under "q8": Q8Linear); "compiled" then decodes on the compiled engine (compiled.py, which
-    decoding.Batch runs where MedusaModel's kernels say so). A float32 CPU model gets `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head an int8
-    copy for the heads' guesses (`guess_projection`)."""
+    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", "q8", "compiled-q8", and
+    "compiled" on a CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with
+    8-bit activations under "q8" and "compiled-q8": Q8Linear); the compiled kernels then decode on the compiled
+    engine (compiled.py, which decoding.Batch runs where MedusaModel's kernels say so). A float32 CPU model gets
+    `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head an int8 copy
+    for the heads' guesses (`guess_projection`)."""
     if kernels == "stock":
         return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    native = kernels in ("native", "q8") or (kernels == "compiled" and cpu_fp32 and native_available())
+    native = kernels in ("native", "q8", "compiled-q8") or (kernels == "compiled" and cpu_fp32 and native_available())
     if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
-        for module in [m for m in model.modules() if type(m) is nn.Linear]:
-            module.__class__ = NativeLinear
+        for module in native_linears(model):
             if (found := block_codes(module.weight)) is not None:
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
-                if kernels == "q8":
+                if kernels in ("q8", "compiled-q8") and (packed := q8_pack(*found)) is not None:
                     module.__class__ = Q8Linear
+                    module.register_buffer("q8_codes", packed[0], persistent=False)
+                    module.register_buffer("q8_scales", packed[1], persistent=False)
     # measured on a CPU only; models that take no registered attention function keep theirs
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
     if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
     return model
+
+
+def native_linears(module: nn.Module) -> list[NativeLinear]:
+    """Switches every nn.Linear of `module` (in place) to NativeLinear; returns them. The heads' too where the model's
+    are (MedusaModel): a guess needs speed, not MKL's rounding (a hydra head's 576 x 576 layer over one token on a
+    2-core EPYC: 0.28 ms through MKL, 0.03 through medusa::linear)."""
+    switched = [m for m in module.modules() if type(m) is nn.Linear]
+    for linear in switched:
+        linear.__class__ = NativeLinear
+    return switched
 
 
 def reads_blocks(model: nn.Module) -> bool:

@@ -21,7 +21,7 @@ from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
 from .decoding import Batch, Row
 from .guard import Ladder
 from .heads import MedusaHeads
-from .kernels import resolve_kernels, set_guess_vocab, use_kernels
+from .kernels import COMPILED, NativeLinear, native_linears, resolve_kernels, set_guess_vocab, use_kernels
 from .tree import Tree
 
 TREE_NAME = "tree.json"
@@ -80,7 +80,9 @@ class MedusaModel:
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
-        self.compiled = self.kernels == "compiled"  # decodes on the compiled engine (compiled.py), else eagerly
+        if any(isinstance(m, NativeLinear) for m in model.modules()):
+            native_linears(self.heads)
+        self.compiled = self.kernels in COMPILED  # decodes on the compiled engine (compiled.py), else eagerly
         tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
         self.trees = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
         for each in self.trees.trees:
@@ -123,7 +125,7 @@ class MedusaModel:
         kernels: "auto" (compiled on a GPU; native on a CPU in float32 where it builds, else stock), "stock",
             "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the
             compiled engine, compiled.py: fixed-shape steps through torch.compile; each tree size compiles on first
-            use, about 40 s on a small CPU).
+            use, about 40 s on a small CPU) or "compiled-q8" (the compiled engine with q8's linears).
         """
         confident_tree(tree)  # a malformed tree fails before the model loads
         cuda = torch.cuda.is_available()

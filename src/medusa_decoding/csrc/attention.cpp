@@ -62,9 +62,26 @@ inline f32x16 exp16(f32x16 x) {
   return y * scale;
 }
 
+// 16 vectors' lane sums, the sum of vector i in lane i: halves added, then quarters, eighths, pairs. Every vector is
+// summed by the same tree of additions (lane l + lane l + 8 first), whichever lane it lands in.
+inline f32x16 sums16(f32x16 v[LANES]) {
+  for (int i = 0; i < 8; i++)  // vectors 2i, 2i + 1 -> lanes 0-7, 8-15
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)  // 4 lanes each
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)  // 2 lanes each
+    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
 // softmax(q k^T * scale) v for one query head over the keys at `cols`; C: head_dim / 16 when a multiple of 16 (loads
 // of whole vectors), else 0 (any head_dim, lane by lane). The arithmetic is the same whatever T or the columns'
-// places: each key's score, the exponentials 16 keys a vector in the order seen, the weighted values key by key.
+// places: the keys' scores 16 at a time (each key's products summed lane-wise over the head dim, then across lanes
+// by sums16), the exponentials 16 keys a vector in the order seen, the weighted values key by key.
 template <int C>
 void attend(const float* Q, const float* K, const float* V, float* O, const std::vector<int64_t>& cols, int64_t D,
             int64_t krow, int64_t vrow, float scale, float* p) {
@@ -72,17 +89,28 @@ void attend(const float* Q, const float* K, const float* V, float* O, const std:
   auto chunk = [&](const float* x, int64_t c) { return C ? load(x + c * LANES) : load(x + c * LANES, std::min(LANES, D - c * LANES)); };
   f32x16 q[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) q[c] = chunk(Q, c);
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; i++) {
-    const float* kp = K + cols[i] * krow;
-    f32x16 acc = q[0] * chunk(kp, 0);
-    for (int64_t c = 1; c < chunks; c++) acc += q[c] * chunk(kp, c);
-    p[i] = sum(acc) * scale;
-    top = std::max(top, p[i]);
-  }
-  f32x16 total = {};
+  f32x16 top16 = f32x16{} - INFINITY;
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int64_t i = 0; i < n; i += LANES) {  // the row is padded: a whole vector is read and written
+  for (int64_t i = 0; i < n; i += LANES) {  // the row is padded: a whole vector is written
+    f32x16 acc[LANES];
+    for (int64_t j = 0; j < LANES; j++) {
+      if (i + j >= n) {
+        acc[j] = f32x16{};
+        continue;
+      }
+      const float* kp = K + cols[i + j] * krow;
+      acc[j] = q[0] * chunk(kp, 0);
+      for (int64_t c = 1; c < chunks; c++) acc[j] += q[c] * chunk(kp, c);
+    }
+    f32x16 s = sums16(acc) * scale;
+    s = lane < float(n - i) ? s : f32x16{} - INFINITY;
+    std::memcpy(p + i, &s, sizeof s);
+    top16 = s > top16 ? s : top16;
+  }
+  float top = -INFINITY;
+  for (int64_t l = 0; l < LANES; l++) top = std::max(top, top16[l]);
+  f32x16 total = {};
+  for (int64_t i = 0; i < n; i += LANES) {
     f32x16 e = exp16(load(p + i) - top);
     e = lane < float(n - i) ? e : f32x16{};
     std::memcpy(p + i, &e, sizeof e);
@@ -114,11 +142,19 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (mask.has_value())
     TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S && m.scalar_type() == at::kFloat,
                 "medusa::attention: float32 mask [B, T, S]");
-  for (int64_t bt = 0; bt < B * T; bt++) {
-    seen[bt].reserve(S);
-    for (int64_t j = 0; j < S; j++)
-      if (!mask.has_value() || m.data_ptr<float>()[bt * S + j] == 0) seen[bt].push_back(j);
-  }
+  at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bt = begin; bt < end; bt++) {  // branch-free: a compiled engine's mask spans the cache's capacity
+      std::vector<int64_t>& cols = seen[bt];
+      cols.resize(S);
+      int64_t count = 0;
+      const float* row = mask.has_value() ? m.data_ptr<float>() + bt * S : nullptr;
+      for (int64_t j = 0; j < S; j++) {
+        cols[count] = j;
+        count += !row || row[j] == 0;
+      }
+      cols.resize(count);
+    }
+  });
   const int64_t G = H / Hkv;
   const at::Tensor qc = q.transpose(1, 2).contiguous();  // [B, T, H, D]: a query's heads side by side
   at::Tensor out = at::empty({B, T, H, D}, q.options());

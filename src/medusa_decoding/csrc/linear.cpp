@@ -277,234 +277,196 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// medusa::linear_q8(x, codes, dm, bits, path) approximates linear_blocks as llama.cpp does: each token's activations
-// are quantized per block of 32 to int8 (scale amax / 127), each block's dot product with the weight codes is summed
-// in integers, and the blocks are scaled and accumulated in float32. Integer sums are exact whatever the
-// instructions; every path (scalar, AVX2, AVX-VNNI, AVX-512 VNNI: chosen at run time, or forced) puts the same sums
-// in the same 16 lanes (even blocks 0-7, odd blocks 8-15: AVX-512 takes two blocks an instruction) and accumulates
-// them in the same order with fused multiply-adds: all paths give the same bits, and a token's output does not
-// depend on the tokens beside it. A pair of blocks' weight codes is unpacked once for up to 4 tokens.
+// medusa::linear_q8(x, codes, dm, n, path) approximates linear_blocks as llama.cpp does: each token's activations are
+// quantized per block of 32 to int8 (scale amax / 127), each block's dot product with the weight codes is summed in
+// integers, then scaled and accumulated in float32. The weights come repacked (kernels.q8_pack) in groups of 16 rows
+// whose codes are interleaved 4 by 4: lane r of an integer dot-product instruction (VNNI's vpdpbusd: 64 products)
+// sums 4 products of row r, so that 16 rows' block sums build up in one register and one 4-byte broadcast of x
+// feeds 16 rows. No horizontal sums, and the unpacked codes serve up to 8 tokens: over a tree the integer
+// instructions do 4x the work of float32 FMAs per instruction (linear_blocks is float32 FMA-bound from one token).
+//
+// Per row and block, every path does the same float32 operations in the same order: acc = fma(sum, d * dx, acc),
+// then for Q4_1 acc = fma(m, dx * sum(q), acc) (the offset term). Integer sums are exact whatever the instructions,
+// so every path (scalar, AVX2, AVX-VNNI, AVX-512 VNNI: chosen at run time, or forced) gives the same bits, and a
+// token's output does not depend on the tokens beside it.
 
-typedef uint8_t u8x16 __attribute__((vector_size(16), aligned(1)));
-typedef uint8_t u8x32 __attribute__((vector_size(32), aligned(1)));
+constexpr int64_t ROWS = 16;  // weight rows per group: a 512-bit vector's int32 lanes
+constexpr int MAX_TOKENS = 8;  // tokens per pass over a group's unpacked codes
+constexpr int64_t PREFETCH_GROUPS = 4;
+
 typedef uint8_t u8x64 __attribute__((vector_size(64)));
-typedef int8_t s8x64 __attribute__((vector_size(64), aligned(1)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
 typedef float f32x16 __attribute__((vector_size(64)));
+typedef uint8_t u8x32 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+typedef float f32x8 __attribute__((vector_size(32)));
 
-constexpr int Q8_TILE = 4;  // tokens per unpacked pair of weight blocks
-constexpr int PAIR = 2 * BLOCK;
-
-typedef uint8_t u8x32v __attribute__((vector_size(32)));
-
-// a block's 32 Q4_1 codes in weight order: the low nibbles are weights 0-15, the high ones 16-31
-inline u8x32v nibbles(const uint8_t* c) {
-  const u8x16 v = *reinterpret_cast<const u8x16*>(c);
-  return __builtin_shufflevector(v & 15, v >> 4, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19,
-                                 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-}
-
-// two blocks' 64 codes in weight order, unsigned: Q4_1's nibbles, or Q8_0's bytes (q + 128). `second` false: only
-// the first block (a row's odd last block), the rest zero.
-template <int BITS>
-inline u8x64 unpack(const uint8_t* c, bool second) {
-  u8x32v first, next = {};
-  if (BITS == 8) {
-    first = *reinterpret_cast<const u8x32*>(c);
-    if (second) next = *reinterpret_cast<const u8x32*>(c + BLOCK);
-  } else {
-    first = nibbles(c);
-    if (second) next = nibbles(c + BLOCK / 2);
-  }
-  return __builtin_shufflevector(first, next, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20,
-                                 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42,
-                                 43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63);
-}
-
-// Each path: prepare(codes) the pair's 64 codes as `unpack` gives them; lane l of dot(w, x) = the sum of w[j] * x[j]
-// over j = 4l .. 4l + 3, for Q4_1's codes w < 16 and x signed in [-127, 127]; for Q8_0's (w = q + 128) the lane minus
-// 128 times the sum of its 4 x (`x128`, given); fma(a, b, acc) lane by lane, fused.
-struct Unpacked {
-  template <int BITS>
-  static u8x64 prepare(const uint8_t* c, bool second) { return unpack<BITS>(c, second); }
+// Each path works on LANES of a group's 16 rows at a time (its vector width) with U (4 code bytes a lane), I and F
+// (a lane's int32 and float32); dot(acc, w, x4) adds to each lane the 4 products of its 4 code bytes (unsigned) with
+// the 4 signed bytes of x4; DIRECT: for Q8_0's codes (q + 128) it adds q * x, else w * x (the caller then subtracts
+// 128 sum(x)). fma(a, b, c) lane by lane, fused.
+struct Lanes16 {
+  static constexpr int LANES = 16;
+  typedef u8x64 U;
+  typedef i32x16 I;
+  typedef f32x16 F;
 };
 
-struct Scalar : Unpacked {
-  static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
-    i32x16 lanes = {};
-    for (int j = 0; j < PAIR; j++) lanes[j / 4] += int32_t(w[j]) * int32_t(x[j]);
-    for (int l = 0; x128 && l < 16; l++) lanes[l] -= x128[l];
-    return lanes;
+struct Scalar : Lanes16 {
+  static constexpr bool DIRECT = false;
+  static F widen(const at::Half* h) {
+    F f;
+    for (int l = 0; l < LANES; l++) f[l] = float(h[l]);
+    return f;
   }
-  static f32x16 fma(f32x16 a, f32x16 b, f32x16 acc) {
-    for (int l = 0; l < 16; l++) acc[l] = std::fma(a[l], b[l], acc[l]);
+  static I dot(I acc, U w, int32_t x4) {
+    int8_t x[4];
+    std::memcpy(x, &x4, 4);
+    for (int l = 0; l < LANES; l++)
+      for (int t = 0; t < 4; t++) acc[l] += int32_t(w[4 * l + t]) * int32_t(x[t]);
     return acc;
+  }
+  static F fma(F a, F b, F c) {
+    for (int l = 0; l < LANES; l++) c[l] = std::fma(a[l], b[l], c[l]);
+    return c;
   }
 };
 
 #if defined(__x86_64__)
-__attribute__((target("avx2"))) inline __m256i half(u8x64 w, int h) {
-  return h ? (__m256i)__builtin_shufflevector(w, w, 32, 33, 34, 35, 36, 37, 38, 39, 40, 41, 42, 43, 44, 45, 46, 47, 48,
-                                             49, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62, 63)
-           : (__m256i)__builtin_shufflevector(w, w, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18,
-                                             19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31);
-}
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define TARGET_AVX_VNNI __attribute__((target("avx2,fma,f16c,avxvnni")))
+#define TARGET_AVX512 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
-#define Q8_FMA_256                                                                                              \
-  static f32x16 fma(f32x16 a, f32x16 b, f32x16 acc) {                                                          \
-    f32x16 out;                                                                                                 \
-    for (int h = 0; h < 2; h++) {                                                                               \
-      const __m256 r = _mm256_fmadd_ps(_mm256_loadu_ps(&a[8 * h]), _mm256_loadu_ps(&b[8 * h]),                   \
-                                       _mm256_loadu_ps(&acc[8 * h]));                                           \
-      _mm256_storeu_ps(&out[8 * h], r);                                                                         \
-    }                                                                                                           \
-    return out;                                                                                                 \
-  }
-
-// AVX2: pairs of u8 x s8 products to int16 (w < 256 and |x| <= 127 could saturate: Q8_0's w are split as 128 + q
-// first, |q| <= 128: products fit), then to int32
-struct Avx2 : Unpacked {
-  __attribute__((target("avx2,fma"))) static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
-    i32x16 lanes;
-    for (int h = 0; h < 2; h++) {
-      __m256i a = half(w, h), b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h)), r;
-      if (x128) {  // w * x = |q| * (x signed as q), q = w - 128
-        a = _mm256_xor_si256(a, _mm256_set1_epi8(char(0x80)));
-        b = _mm256_sign_epi8(b, a), a = _mm256_abs_epi8(a);
-      }
-      r = _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&lanes[8 * h]), r);
-    }
-    return lanes;  // Q8_0: q * x already, what the other paths get by subtracting x128
-  }
-  __attribute__((target("avx2,fma"))) Q8_FMA_256
+struct Lanes8 {
+  static constexpr int LANES = 8;
+  typedef u8x32 U;
+  typedef i32x8 I;
+  typedef f32x8 F;
+  TARGET_AVX2 static F fma(F a, F b, F c) { return (F)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
+  TARGET_AVX2 static F widen(const at::Half* h) { return (F)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)); }
 };
 
-struct AvxVnni : Unpacked {
-  __attribute__((target("avx2,fma,avxvnni"))) static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
-    i32x16 lanes;
-    for (int h = 0; h < 2; h++) {
-      const __m256i a = half(w, h);
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + 32 * h));
-      __m256i r = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), a, b);
-      if (x128) r = _mm256_sub_epi32(r, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x128 + 8 * h)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(&lanes[8 * h]), r);
+// AVX2: pairs of u8 x s8 products to int16, then to int32. Q8_0's codes (up to 255) times 127 could saturate the
+// pairs: they are split as |q| and x signed as q (|q| <= 128: the pairs fit), which gives q * x directly.
+template <bool SIGNED>
+struct Avx2 : Lanes8 {
+  static constexpr bool DIRECT = SIGNED;
+  TARGET_AVX2 static I dot(I acc, U w, int32_t x4) {
+    __m256i a = (__m256i)w, b = _mm256_set1_epi32(x4);
+    if (SIGNED) {
+      a = _mm256_xor_si256(a, _mm256_set1_epi8(char(0x80)));
+      b = _mm256_sign_epi8(b, a), a = _mm256_abs_epi8(a);
     }
-    return lanes;
+    return acc + (I)_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
   }
-  __attribute__((target("avx2,fma"))) Q8_FMA_256
 };
 
-#define AVX512 "avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"
-struct Avx512Vnni {
-  template <int BITS>
-  __attribute__((target(AVX512))) static u8x64 prepare(const uint8_t* c, bool second) {
-    if (BITS == 8 || !second) return unpack<BITS>(c, second);
-    // 32 bytes = two blocks' nibbles: each 16 bytes twice, shifted by 0 and 4, masked
-    const __m512i v = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3),
-                                               _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)c)));
-    return (u8x64)_mm512_and_si512(_mm512_srlv_epi64(v, _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4)),
-                                   _mm512_set1_epi8(15));
+struct AvxVnni : Lanes8 {
+  static constexpr bool DIRECT = false;
+  TARGET_AVX_VNNI static I dot(I acc, U w, int32_t x4) {
+    return (I)_mm256_dpbusd_avx_epi32((__m256i)acc, (__m256i)w, _mm256_set1_epi32(x4));
   }
-  __attribute__((target(AVX512))) static i32x16 dot(u8x64 w, const int8_t* x, const int32_t* x128) {
-    __m512i r = _mm512_dpbusd_epi32(_mm512_setzero_si512(), (__m512i)w, _mm512_loadu_si512(x));
-    if (x128) r = _mm512_sub_epi32(r, _mm512_loadu_si512(x128));
-    return (i32x16)r;
+};
+
+struct Avx512Vnni : Lanes16 {
+  static constexpr bool DIRECT = false;
+  TARGET_AVX512 static I dot(I acc, U w, int32_t x4) {
+    return (I)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, _mm512_set1_epi32(x4));
   }
-  __attribute__((target(AVX512))) static f32x16 fma(f32x16 a, f32x16 b, f32x16 acc) {
-    return (f32x16)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)acc);
-  }
+  TARGET_AVX512 static F fma(F a, F b, F c) { return (F)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c); }
+  TARGET_AVX512 static F widen(const at::Half* h) { return (F)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)h)); }
 };
 #endif
 
 struct Q8 {
-  const int8_t* xq;    // [M, K] the tokens' quantized activations
-  const float* xd;     // [M, K / 32, 8] each block's scale, 8 times (a lane per 4 codes)
-  const float* xdt;    // [M, S] scale * sum of the block's codes (Q4_1's offset term), S = K / 32 rounded up to 16
-  const int32_t* x128; // [M, K / 8] 128 * the sum of each 4 codes (Q8_0's w = q + 128)
-  const uint8_t* codes;
-  const float* dm;
-  float* y;
-  int64_t K, N, S;
+  const int8_t* xq;     // [M, K] the tokens' quantized activations
+  const float* xd;      // [M, K / 32] each block's scale
+  const float* xdt;     // [M, K / 32] scale * the sum of the block's codes (Q4_1's offset term)
+  const int32_t* x128;  // [M, K / 32] 128 * the sum of the block's codes (Q8_0's codes are q + 128)
+  const uint8_t* codes; // [G, K / 32, 16 * 32 * bits / 8] (q8_pack)
+  const at::Half* dm;   // [G, K / 32, 2, 16] each block's d, then m, of the group's 16 rows (GGUF's float16)
+  float* y;             // [M, N]
+  int64_t K, N;
 };
 
-inline float sum16(f32x16 s) {  // lanes l and l + 8 first: a pair's two blocks
-  return (((s[0] + s[8]) + (s[4] + s[12])) + ((s[2] + s[10]) + (s[6] + s[14]))) +
-         (((s[1] + s[9]) + (s[5] + s[13])) + ((s[3] + s[11]) + (s[7] + s[15])));
-}
-
-typedef float f32x8 __attribute__((vector_size(32)));
-
-// a pair of blocks' values in 8 lanes each: the first's, then the second's
-inline f32x16 spread(float first, float second) {
-  const f32x8 a = f32x8{} + first, b = f32x8{} + second;
-  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-}
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// y[m0 : m0 + MT, n] for one weight row n
-template <class Path, int BITS, int MT>
-void q8_row(const Q8& a, int64_t n, int64_t m0) {
-  const int64_t blocks = a.K / BLOCK, bytes = BLOCK * BITS / 8;
-  const uint8_t* c = a.codes + n * blocks * bytes;
-  const float* dm = a.dm + n * blocks * 2;
-  f32x16 acc[MT] = {};
-  for (int64_t b = 0; b < blocks; b += 2) {
-    const bool second = b + 1 < blocks;
-    const auto w = Path::template prepare<BITS>(c + b * bytes, second);
-    const f32x16 d = spread(dm[2 * b], second ? dm[2 * b + 2] : 0);
-    for (int i = 0; i < MT; i++) {  // an odd last block reads the next block's x (padded): its d and m are 0
+// y[m0 : m0 + MT, 16 g + r0 : 16 g + r0 + LANES] (rows past N are padding: not written)
+template <class P, int BITS, int MT>
+void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
+  typedef typename P::U U;
+  typedef typename P::I I;
+  typedef typename P::F F;
+  constexpr int VECTORS = BITS == 4 ? 4 : 8;  // 64-byte code vectors a block (16 rows x 4 bytes)
+  const int64_t blocks = a.K / BLOCK, ahead = PREFETCH_GROUPS * blocks * VECTORS * 64;
+  const uint8_t* c = a.codes + g * blocks * VECTORS * 64 + 4 * r0;
+  const at::Half* s = a.dm + g * blocks * 2 * ROWS + r0;
+  F acc[MT] = {};
+  for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
+    I sums[MT] = {};
+    __builtin_prefetch(s + PREFETCH_GROUPS * blocks * 2 * ROWS, 0, 3);
+    for (int j = 0; j < VECTORS; j++) {
+      __builtin_prefetch(c + ahead + 64 * j, 0, 3);
+      U v;
+      std::memcpy(&v, c + 64 * j, sizeof v);
+      const U low = BITS == 4 ? v & 15 : v;  // weights 4j .. 4j + 3 of each row (Q4_1: its low nibbles)
+      for (int i = 0; i < MT; i++) {
+        int32_t x4;
+        std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 4 * j, 4);
+        sums[i] = P::dot(sums[i], low, x4);
+      }
+      if (BITS == 4) {  // high nibbles: weights 16 + 4j .. 16 + 4j + 3
+        const U high = v >> 4;
+        for (int i = 0; i < MT; i++) {
+          int32_t x4;
+          std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 16 + 4 * j, 4);
+          sums[i] = P::dot(sums[i], high, x4);
+        }
+      }
+    }
+    const F d = P::widen(s), m = P::widen(s + ROWS);
+    for (int i = 0; i < MT; i++) {
       const int64_t at = (m0 + i) * blocks + b;
-      const i32x16 lanes = Path::dot(w, a.xq + at * BLOCK, BITS == 8 ? a.x128 + 8 * at : nullptr);
-      acc[i] = Path::fma(__builtin_convertvector(lanes, f32x16), d * load16(a.xd + 8 * at), acc[i]);
+      if (BITS == 8 && !P::DIRECT) sums[i] -= a.x128[at];
+      acc[i] = P::fma(__builtin_convertvector(sums[i], F), d * a.xd[at], acc[i]);
+      if (BITS == 4) acc[i] = P::fma(m, F{} + a.xdt[at], acc[i]);
     }
   }
-  f32x16 offset[MT] = {};  // Q4_1: the sum of m * xdt over the blocks, 16 at a time (Q8_0: w = q * d, no offset)
-  for (int64_t b = 0; BITS == 4 && b < blocks; b += 16) {
-    float pairs[32] = {};  // 16 blocks' d, m (zero past the row's end)
-    std::memcpy(pairs, dm + 2 * b, sizeof(float) * 2 * std::min<int64_t>(16, blocks - b));
-    const f32x16 m = __builtin_shufflevector(load16(pairs), load16(pairs + 16), 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21,
-                                             23, 25, 27, 29, 31);
-    for (int i = 0; i < MT; i++) offset[i] = Path::fma(m, load16(a.xdt + (m0 + i) * a.S + b), offset[i]);
-  }
-  for (int i = 0; i < MT; i++) a.y[(m0 + i) * a.N + n] = sum16(acc[i]) + sum16(offset[i]);
+  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(P::LANES, a.N - g * ROWS - r0));
+  for (int i = 0; i < MT; i++) std::memcpy(a.y + (m0 + i) * a.N + g * ROWS + r0, &acc[i], sizeof(float) * rows);
 }
 
-template <class Path, int BITS>
-void q8_rows(const Q8& a, int64_t M, int64_t begin, int64_t end) {
-  for (int64_t n = begin; n < end; n++) {
+template <class P, int BITS, int MT>
+void q8_group(const Q8& a, int64_t g, int64_t m0) {
+  for (int64_t r0 = 0; r0 < ROWS; r0 += P::LANES) q8_lanes<P, BITS, MT>(a, g, r0, m0);
+}
+
+// every token of groups [begin, end): MAX_TOKENS at a time, then 4, 2, 1
+template <class P, int BITS>
+void q8_groups(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  for (int64_t g = begin; g < end; g++) {
     int64_t m = 0;
-    for (; m + Q8_TILE <= M; m += Q8_TILE) q8_row<Path, BITS, Q8_TILE>(a, n, m);
-    switch (M - m) {
-      case 3: q8_row<Path, BITS, 3>(a, n, m); break;
-      case 2: q8_row<Path, BITS, 2>(a, n, m); break;
-      case 1: q8_row<Path, BITS, 1>(a, n, m); break;
-    }
+    for (; m + MAX_TOKENS <= M; m += MAX_TOKENS) q8_group<P, BITS, MAX_TOKENS>(a, g, m);
+    if (m + 4 <= M) q8_group<P, BITS, 4>(a, g, m), m += 4;
+    if (m + 2 <= M) q8_group<P, BITS, 2>(a, g, m), m += 2;
+    if (m < M) q8_group<P, BITS, 1>(a, g, m);
   }
 }
 
-// each path's rows compiled for its instructions (flatten: everything they call is inlined into them)
-using Rows = void (*)(const Q8&, int64_t, int64_t, int64_t);
+// each path's groups compiled for its instructions (flatten: everything they call is inlined into them)
+using Groups = void (*)(const Q8&, int64_t, int64_t, int64_t);
 template <int BITS>
-void q8_scalar(const Q8& a, int64_t M, int64_t begin, int64_t end) { q8_rows<Scalar, BITS>(a, M, begin, end); }
+void q8_scalar(const Q8& a, int64_t M, int64_t begin, int64_t end) { q8_groups<Scalar, BITS>(a, M, begin, end); }
 #if defined(__x86_64__)
 template <int BITS>
-__attribute__((target("avx2,fma"), flatten)) void q8_avx2(const Q8& a, int64_t M, int64_t begin, int64_t end) {
-  q8_rows<Avx2, BITS>(a, M, begin, end);
+TARGET_AVX2 __attribute__((flatten)) void q8_avx2(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  q8_groups<Avx2<BITS == 8>, BITS>(a, M, begin, end);
 }
 template <int BITS>
-__attribute__((target("avx2,fma,avxvnni"), flatten)) void q8_avx_vnni(const Q8& a, int64_t M, int64_t begin,
-                                                                       int64_t end) {
-  q8_rows<AvxVnni, BITS>(a, M, begin, end);
+TARGET_AVX_VNNI __attribute__((flatten)) void q8_avx_vnni(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  q8_groups<AvxVnni, BITS>(a, M, begin, end);
 }
 template <int BITS>
-__attribute__((target(AVX512), flatten)) void q8_avx512_vnni(const Q8& a, int64_t M, int64_t begin, int64_t end) {
-  q8_rows<Avx512Vnni, BITS>(a, M, begin, end);
+TARGET_AVX512 __attribute__((flatten)) void q8_avx512_vnni(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  q8_groups<Avx512Vnni, BITS>(a, M, begin, end);
 }
 #endif
 
@@ -512,17 +474,18 @@ __attribute__((target(AVX512), flatten)) void q8_avx512_vnni(const Q8& a, int64_
 struct Q8Path {
   const char* name;
   bool (*supported)();
-  Rows q4, q8;
+  Groups q4, q8;
 };
 const Q8Path Q8_PATHS[] = {
     {"scalar", [] { return true; }, q8_scalar<4>, q8_scalar<8>},
 #if defined(__x86_64__)
-    {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }, q8_avx2<4>, q8_avx2<8>},
+    {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c"); }, q8_avx2<4>, q8_avx2<8>},
     {"avx_vnni", [] { return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") &&
-                             __builtin_cpu_supports("fma"); }, q8_avx_vnni<4>, q8_avx_vnni<8>},
+                             __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }, q8_avx_vnni<4>, q8_avx_vnni<8>},
     {"avx512_vnni", [] { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
-                                __builtin_cpu_supports("fma"); }, q8_avx512_vnni<4>, q8_avx512_vnni<8>},
+                                __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }, q8_avx512_vnni<4>, q8_avx512_vnni<8>},
 #endif
 };
 constexpr int64_t Q8_PATH_COUNT = sizeof(Q8_PATHS) / sizeof(Q8_PATHS[0]);
@@ -534,10 +497,9 @@ std::vector<std::string> q8_path_names() {
   return names;
 }
 
-// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and what the paths read beside q
-void quantize(const float* x, int64_t blocks, int64_t per_row, int64_t stride, int8_t* q, float* d, float* dt,
-              int32_t* x128) {
-  for (int64_t r = 0; r < blocks; r++, x += BLOCK, q += BLOCK, d += 8, x128 += 8) {
+// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q
+void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
+  for (int64_t r = 0; r < blocks; r++, x += BLOCK, q += BLOCK) {
     float amax = 0;
     for (int j = 0; j < BLOCK; j++) amax = std::max(amax, std::fabs(x[j]));
     const float scale = amax / 127, inverse = scale != 0 ? 1 / scale : 0;
@@ -545,35 +507,34 @@ void quantize(const float* x, int64_t blocks, int64_t per_row, int64_t stride, i
     for (int j = 0; j < BLOCK; j++) {
       q[j] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inverse))));
       sum += q[j];
-      x128[j / 4] = (j % 4 ? x128[j / 4] : 0) + 128 * q[j];
     }
-    std::fill(d, d + 8, scale);
-    dt[r / per_row * stride + r % per_row] = scale * float(sum);
+    d[r] = scale, dt[r] = scale * float(sum), x128[r] = 128 * sum;
   }
 }
 
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t bits, int64_t path) {
-  const int64_t N = codes.size(0), K = codes.size(1) * 8 / bits;
-  TORCH_CHECK((bits == 4 || bits == 8) && codes.dim() == 2 && codes.scalar_type() == at::kByte && K % BLOCK == 0,
-              "medusa::linear_q8: bits 4 or 8, uint8 codes [N, K * bits / 8], K a multiple of 32");
-  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.numel() == N * (K / BLOCK) * 2,
-              "medusa::linear_q8: float32 dm [N, K / 32, 2]");
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
+  const int64_t G = codes.size(0), blocks = codes.dim() == 3 ? codes.size(1) : 0, K = blocks * BLOCK;
+  const int64_t bits = codes.dim() == 3 ? codes.size(2) * 8 / (ROWS * BLOCK) : 0;
+  TORCH_CHECK((bits == 4 || bits == 8) && codes.scalar_type() == at::kByte && codes.size(2) == ROWS * BLOCK * bits / 8
+              && (n + ROWS - 1) / ROWS == G, "medusa::linear_q8: uint8 codes [ceil(n / 16), K / 32, 16 * 32 * bits / 8]"
+              ", bits 4 or 8 (kernels.q8_pack)");
+  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == G * blocks * 2 * ROWS,
+              "medusa::linear_q8: float16 dm [ceil(n / 16), K / 32, 2, 16]");
   if (path < 0)
     for (int64_t p = 0; p < Q8_PATH_COUNT; p++) path = Q8_PATHS[p].supported() ? p : path;
   TORCH_CHECK(0 <= path && path < Q8_PATH_COUNT && Q8_PATHS[path].supported(), "medusa::linear_q8: path ", path,
               " does not run on this CPU");
   const at::Tensor xc = check_x(x, K, "medusa::linear_q8"), cc = codes.contiguous(), dmc = dm.contiguous();
-  const int64_t M = xc.size(0), blocks = M * (K / BLOCK);
-  std::vector<int8_t> xq(M * K + BLOCK);  // each one block longer: an odd last block is read as a pair
-  const int64_t S = (K / BLOCK + 15) / 16 * 16;
-  std::vector<float> xd(8 * blocks + 8), xdt(M * S);
-  std::vector<int32_t> x128(8 * blocks + 8);
-  quantize(xc.data_ptr<float>(), blocks, K / BLOCK, S, xq.data(), xd.data(), xdt.data(), x128.data());
-  at::Tensor y = at::empty({M, N}, xc.options());
-  const Q8 a{xq.data(), xd.data(), xdt.data(), x128.data(), cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(),
-             y.data_ptr<float>(), K, N, S};
-  const Rows rows = bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) { rows(a, M, begin, end); });
+  const int64_t M = xc.size(0);
+  std::vector<int8_t> xq(M * K);
+  std::vector<float> xd(M * blocks), xdt(M * blocks);
+  std::vector<int32_t> x128(M * blocks);
+  quantize(xc.data_ptr<float>(), M * blocks, xq.data(), xd.data(), xdt.data(), x128.data());
+  at::Tensor y = at::empty({M, n}, xc.options());
+  const Q8 a{xq.data(), xd.data(), xdt.data(), x128.data(), cc.data_ptr<uint8_t>(), dmc.data_ptr<at::Half>(),
+             y.data_ptr<float>(), K, n};
+  const Groups groups = bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8;
+  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) { groups(a, M, begin, end); });
   return y;
 }
 
@@ -582,7 +543,7 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 TORCH_LIBRARY(medusa, m) {
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear_blocks(Tensor x, Tensor codes, Tensor dm, int bits) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor codes, Tensor dm, int bits, int path) -> Tensor");
+  m.def("linear_q8(Tensor x, Tensor codes, Tensor dm, int n, int path) -> Tensor");
   m.def("q8_path_names() -> str[]", &q8_path_names);
 }
 
