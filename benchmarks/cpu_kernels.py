@@ -3,9 +3,10 @@
 For each of stock (MKL), native (the project's batch-invariant few-row kernel, csrc/linear.cpp, reading the GGUF's
 Q4_1/Q8_0 blocks, with batch-invariant attention; the heads guess through an int8 copy of the LM head), q8 (the
 same blocks with 8-bit activations and integer dot products), native-float32 (the same kernel on the
-float32 weights, as before it read blocks), compiled (the backbone through torch.compile, dynamic shapes, native linears,
-the same int8 guesses), int8 (torch.ao dynamic quantization) and bf16 (the model in bfloat16: oneDNN AMX tiles
-where the CPU has them), the last two measured here and not offered by the library, side by side:
+float32 weights, as before it read blocks), compiled (the compiled engine, native linears, the same int8 guesses),
+compiled-q8 (the compiled engine with q8 linears), int8 (torch.ao dynamic quantization) and bf16 (the model in
+bfloat16: oneDNN AMX tiles where the CPU has them), the last two measured here and not offered by the library, side
+by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
@@ -29,7 +30,7 @@ from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "int8", "bf16")
+KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "compiled-q8", "int8", "bf16")
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
@@ -46,7 +47,7 @@ def main() -> None:
 
     base = MedusaModel.from_pretrained(kernels="stock")
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
-              for name in ("stock", "native", "q8", "compiled") if name in kernels}
+              for name in ("stock", "native", "q8", "compiled", "compiled-q8") if name in kernels}
     if "native-float32" in kernels:
         models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
         for module in models["native-float32"].model.modules():

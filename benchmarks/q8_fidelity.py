@@ -32,7 +32,7 @@ def teacher_forced(medusa: MedusaModel, ids: list[int]) -> torch.Tensor:
     tokens, cache, out = torch.tensor(ids), allocate(medusa.model, len(ids)), []
     with torch.inference_mode():
         for start in range(0, len(ids), MAX_ROWS):
-            out.append(forward(medusa.model, tokens[start : start + MAX_ROWS], cache)[0].log_softmax(-1))
+            out.append(forward(medusa.model, tokens[None, start : start + MAX_ROWS], cache)[0][0].log_softmax(-1))
     return torch.cat(out)
 
 

@@ -240,15 +240,18 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
             with torch.inference_mode():
                 kv.commit(batch.cache, [row.length], [[]])
 
-        table.append(time_steps(batch, trees, config, rewind))
+        table.append(time_steps(batch, trees, config, rewind, f", {prefix_len}-token context"))
     return contexts, table
 
 
-def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=None) -> list[float]:
+def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=None, what: str = "") -> list[float]:
     """Median seconds of a step of `batch` whose rows all verify the same tree, per tree. The trees take turns, so a
-    burst of load from elsewhere slows all of them, not one; the first round is a warm-up. rewind: run after each
-    step."""
+    burst of load from elsewhere slows all of them, not one; the first round is a warm-up (where the compiled engine
+    compiles each tree size: minutes, hence the progress bar). rewind: run after each step."""
+    from tqdm.auto import tqdm
+
     device, times = batch.model.device, [[] for _ in trees]
+    bar = tqdm(total=len(trees) * (config.latency_repeats + 1), desc=f"step latency{what}", unit="step", leave=False)
     for _ in range(config.latency_repeats + 1):
         for tree, timed in zip(trees, times):
             for row in batch.rows:
@@ -258,8 +261,10 @@ def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=
             batch.step()
             synchronize(device)
             timed.append(time.perf_counter() - start)
+            bar.update()
             if rewind is not None:
                 rewind()
+    bar.close()
     return [statistics.median(timed[1:]) for timed in times]
 
 
@@ -304,7 +309,7 @@ def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = D
         for row in range(rows):
             prompt = torch.randint(medusa.heads.config.vocab_size, (context,), generator=torch.Generator().manual_seed(row))
             batch.join(prompt.to(device), budget, trees[0])  # no EOS: every row stays to the end
-        table.append(time_steps(batch, trees, config))
+        table.append(time_steps(batch, trees, config, what=f", batches of {rows}"))
     return table
 
 
