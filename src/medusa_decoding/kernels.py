@@ -61,6 +61,8 @@ from transformers.masking_utils import sdpa_mask
 
 KERNELS = ("auto", "stock", "native", "q8", "compiled", "compiled-q8")
 COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compiled engine
+NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native build (and a CPU in float32)
+Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bit activations
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp")]
@@ -147,15 +149,15 @@ class NativeLinear(nn.Linear):
 class Q8Linear(NativeLinear):
     """A NativeLinear on GGUF blocks whose few-row passes quantize each token's activations to 8 bits per block of 32
     and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic) over weights repacked for it
-    (`q8_pack`, in `q8_codes` and `q8_scales`): still batch-invariant, approximate (`benchmarks/q8_fidelity.py`
+    (`q8_pack`: its `codes` and `scales` are in that layout): still batch-invariant, approximate (`benchmarks/q8_fidelity.py`
     measures how far from the float32 model), and faster than float32 from one token to a tree's 16. It runs the
     fastest instructions this CPU has; the op's `path` argument forces others (Q8_PATHS' index: tests run each)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * x.shape[-1]:
             return nn.functional.linear(x, self.weight, self.bias)
-        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["q8_codes"],
-                                         self._buffers["q8_scales"], self.out_features, -1)
+        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
+                                         self.out_features, -1)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
@@ -332,7 +334,7 @@ def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> s
         return "stock" if error else "compiled"
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
-    native = kernels in ("native", "q8", "compiled-q8")
+    native = kernels in NATIVE
     if native and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
     error = native_build() if native else None
@@ -353,17 +355,15 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
         return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    native = kernels in ("native", "q8", "compiled-q8") or (kernels == "compiled" and cpu_fp32 and native_available())
+    native = kernels in NATIVE or (kernels == "compiled" and cpu_fp32 and native_available())
     if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         for module in native_linears(model):
             if (found := block_codes(module.weight)) is not None:
+                if kernels in Q8 and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
+                    module.__class__, found = Q8Linear, packed
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
-                if kernels in ("q8", "compiled-q8") and (packed := q8_pack(*found)) is not None:
-                    module.__class__ = Q8Linear
-                    module.register_buffer("q8_codes", packed[0], persistent=False)
-                    module.register_buffer("q8_scales", packed[1], persistent=False)
     # measured on a CPU only; models that take no registered attention function keep theirs
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)

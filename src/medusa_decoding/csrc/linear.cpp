@@ -292,7 +292,6 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
 
 constexpr int64_t ROWS = 16;  // weight rows per group: a 512-bit vector's int32 lanes
 constexpr int MAX_TOKENS = 8;  // tokens per pass over a group's unpacked codes
-constexpr int64_t PREFETCH_GROUPS = 4;
 
 typedef uint8_t u8x64 __attribute__((vector_size(64)));
 typedef int32_t i32x16 __attribute__((vector_size(64)));
@@ -396,15 +395,13 @@ void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
   typedef typename P::I I;
   typedef typename P::F F;
   constexpr int VECTORS = BITS == 4 ? 4 : 8;  // 64-byte code vectors a block (16 rows x 4 bytes)
-  const int64_t blocks = a.K / BLOCK, ahead = PREFETCH_GROUPS * blocks * VECTORS * 64;
+  const int64_t blocks = a.K / BLOCK;
   const uint8_t* c = a.codes + g * blocks * VECTORS * 64 + 4 * r0;
   const at::Half* s = a.dm + g * blocks * 2 * ROWS + r0;
   F acc[MT] = {};
   for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
     I sums[MT] = {};
-    __builtin_prefetch(s + PREFETCH_GROUPS * blocks * 2 * ROWS, 0, 3);
     for (int j = 0; j < VECTORS; j++) {
-      __builtin_prefetch(c + ahead + 64 * j, 0, 3);
       U v;
       std::memcpy(&v, c + 64 * j, sizeof v);
       const U low = BITS == 4 ? v & 15 : v;  // weights 4j .. 4j + 3 of each row (Q4_1: its low nibbles)
