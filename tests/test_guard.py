@@ -164,10 +164,10 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     assert late.count(0) / len(late) > 0.8
     (guard,) = guards
     assert all(guessing == guard.watched for _, guessing in chosen[:guard.opening])  # the opening: plain, guessing
-    probes = [guessing for tree, guessing in chosen[guard.opening:] if tree is PLAIN and guessing]
+    probes = [guessing for tree, guessing in chosen[guard.opening:] if tree.num_nodes == 1 and guessing]
     assert len(probes) == guard.plain_steps // PROBE_EVERY - guard.opening // PROBE_EVERY
     assert all(g == guard.watched for g in probes)
-    assert all(guessing for tree, guessing in chosen if tree is not PLAIN)  # a tree's own, or the whole ladder's
+    assert all(guessing for tree, guessing in chosen if tree.num_nodes > 1)  # a tree's own, or the whole ladder's
     assert len(guessed) == sum(guessing is not None for _, guessing in chosen)
 
 
@@ -225,7 +225,7 @@ def test_neither_a_requests_first_step_nor_a_plain_step_that_guesses_is_timed():
     guard = Guard(ladder, root=0)
     top_k, depth = guard.watched.topk_per_head(), guard.watched.depth
     plain = ladder.latency(100)[0]
-    assert guard.choose(100) == (PLAIN, guard.watched)
+    assert guard.choose(100) == (ladder.trees[0], guard.watched)
     guard.record(torch.zeros(depth, top_k, dtype=torch.long), [1], 5 * plain, 100)
     assert guard.time_factor == [None] * len(SIZES)
     guard.choose(100)
@@ -248,9 +248,9 @@ def test_a_fixed_ladder_always_gives_its_tree_and_watches_nothing():
 def test_a_tree_predicted_a_little_faster_is_not_worth_a_switch():
     ladder = make_ladder(expected=(1.0, 1.2, 1.3, 1.4, 1.6, 2.0), latency=((1.0, 1.2, 1.3, 1.4, 1.6, 2.0),))
     guard = opened(ladder)  # every tree predicts the same speed: plain steps stay
-    assert all(guard.choose(100)[0] is PLAIN for _ in range(5))
+    assert all(guard.choose(100)[0] is ladder.trees[0] for _ in range(5))
     guard.tokens[4] = 1.6 * (1 + (SWITCH_MARGIN - 1) / 2)  # faster by half the margin: within the noise
-    assert guard.choose(100)[0] is PLAIN
+    assert guard.choose(100)[0] is ladder.trees[0]
     guard.tokens[4] = 1.6 * (1 + (SWITCH_MARGIN - 1) * 2)
     assert guard.choose(100)[0] is ladder.trees[4]
 
