@@ -109,7 +109,8 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, 
     paths the heads themselves find likeliest (the product of each head's probability of its token along the path),
     for either kind of heads. Level by level, the `watched` (>= size) likeliest nodes of each depth are expanded with
     their `watched` likeliest children: a node among the `watched` likeliest of the whole tree has its parent among
-    them too (a child is never likelier than its parent), so nothing likelier is left out.
+    them too (a child is never likelier than its parent), so nothing likelier is left out, and once no node of a
+    depth is likelier than the `watched`-th of the tree so far, the deeper heads are not run at all.
 
     -> (the tree of `size` candidates, its tokens [size+1], guesses for the guard: ({node path: top-k after it}, the
     `watched` likeliest paths, likeliest first)). Node (r_1..r_d) is rank r_d of head d-1 after its parent, as in any
@@ -138,7 +139,9 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, 
         chains = torch.cat([chains[parent], tokens[:, None]], dim=1)
         scores = child[best]
         kept.append((scores, paths, tokens))
-    every = torch.cat([s for s, _, _ in kept])  # by depth: a stable sort keeps a parent before its tied child
+        every = torch.cat([s for s, _, _ in kept])  # by depth: a stable sort keeps a parent before its tied child
+        if len(every) >= watched and scores.max() <= every.topk(watched).values[-1]:
+            break  # no child of this depth can pass the watched likeliest: the deeper heads need not run
     order = every.sort(descending=True, stable=True).indices.tolist()
     all_paths = [p for _, ps, _ in kept for p in ps]
     all_tokens = torch.cat([t for _, _, t in kept])
