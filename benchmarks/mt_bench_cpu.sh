@@ -6,7 +6,7 @@
 #   OUT=benchmarks/results/smoke_cpu benchmarks/mt_bench_cpu.sh --limit 2 --max-new-tokens 32
 # --kernels compiled runs MEDUSA and plain decoding through torch.compile (a few minutes of compiling first).
 # On a shared, busy CPU add --threads 1 (torch's default, one per core, spin-waits against other processes).
-# Default heads: the shipped MEDUSA-1 heads (MODEL_CARD.md); other heads: --heads DIR.
+# Default heads: the shipped hydra heads (MODEL_CARD.md); other heads: --heads DIR, or beside them: --rival.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 MACHINE="${MACHINE:-$(hostname -s)}"

@@ -4,6 +4,7 @@ import itertools
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,12 +16,16 @@ from medusa_decoding.calibrate import (
     choose_tree,
     expected_acceptance,
     grow_tree,
+    answer_positions,
     measure_accuracy,
     measure_step_latency,
+    measure_yields,
     tried_sizes,
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
+from medusa_decoding.decoding import propose, propose_confident
+from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import guess_projection, native_build
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
@@ -141,6 +146,21 @@ def test_choose_tree_over_sparse_sizes_predicts_each_measured_size():
     assert list(ladder.expected_tokens) == choice.expected_tokens[:3] and ladder.latency(256) == latencies[:3]
 
 
+def test_confident_trees_get_their_own_fastest_size_and_ladder_from_their_simulated_tokens():
+    sizes, latencies = [0, 1, 3, 7], [1.0, 1.1, 1.25, 3.0]
+    confident_tokens = [1.0, 1.5, 2.0, 5.0]  # per size; at 7 candidates 5 / 3.0 beats 2.0 / 1.25
+    choice = replace(choose_tree(HAND, sizes, [256], [latencies], confident_tokens), batch_sizes=[1, 4],
+                     batch_latency_s=[[1.0, 1.1, 1.25, 3.0], [2.0, 2.5, 3.0, 9.0]])  # the trees up to 7: both ladders'
+    assert choice.size == 3 and choice.confident_size == 7
+    confident, static = choice.ladder(confident=True), choice.ladder()
+    assert confident.confident and not static.confident
+    assert list(confident.expected_tokens) == confident_tokens and confident.latency(256) == latencies
+    assert [t.num_nodes - 1 for t in confident.trees] == sizes and confident.latency(256, 4) == [2.0, 2.5, 3.0, 9.0]
+    assert [t.num_nodes - 1 for t in static.trees] == [0, 1, 3] and static.latency(256, 4) == [2.0, 2.5, 3.0]
+    unsimulated = choose_tree(HAND, sizes, [256], [latencies]).ladder(confident=True)  # auto's ladder, as it was
+    assert not unsimulated.confident and unsimulated.expected_tokens == choice.ladder().expected_tokens
+
+
 def test_tried_sizes_are_dense_for_small_trees_and_end_at_the_largest():
     assert tried_sizes(5) == [0, 1, 2, 3, 4, 5]
     assert tried_sizes(50) == [0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 50]
@@ -159,6 +179,7 @@ def test_choose_tree_rejects_missing_or_bad_latencies(sizes, contexts, latencies
 # --- measurements on tiny models ---
 
 SPECIAL_TOKENS = 7  # the tiny tokenizer's ids below 7: padding, unknown, chat markers, roles
+EVERY_POSITION = CalibrateConfig(simulated_positions=10 ** 6)  # more than there are: every position is simulated
 ORACLE_CHAT = [
     {"role": "user", "content": " ".join(f"w{i}" for i in range(3, 12))},
     {"role": "assistant", "content": " ".join(f"w{(7 * i) % 80}" for i in range(40))},
@@ -219,6 +240,46 @@ def test_accuracy_stops_after_max_positions(oracle):
     assert not torch.equal(measure_accuracy(medusa, [other, ORACLE_CHAT], CalibrateConfig(batch_size=1)), alone)
 
 
+def accepted(tree: Tree, tokens: torch.Tensor, truth: list[int]) -> int:
+    """The depth of the deepest node of `tree` whose candidates (tokens [N+1], the root first) are truth's first."""
+    return max((len(path) for i, path in enumerate(tree.paths, 1)
+                if tokens[tree.chains[i, 1: len(path) + 1]].tolist() == truth[: len(path)]), default=0)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_simulated_yields_are_what_each_trees_candidates_match_of_the_answer(oracle, kind):
+    """measure_yields counts with the guard's bookkeeping (first_sizes, yields over the largest tree's guesses); here
+    every size's static and confident tree is proposed on its own and its candidates matched against the answer."""
+    medusa, _ = oracle
+    medusa = MedusaModel(medusa.model, medusa.tokenizer, OracleHeads(medusa.model, medusa.heads.sequence, kind=kind))
+    paths, _ = grow_tree(measure_accuracy(medusa, [ORACLE_CHAT], CalibrateConfig(top_k=4)), 12)
+    sizes = [0, 1, 2, 5, 12]
+    static, confident = measure_yields(medusa, [ORACLE_CHAT], paths, sizes, EVERY_POSITION)
+    heads, lm_head, embed = medusa.heads, guess_projection(medusa.model), medusa.model.get_input_embeddings()
+    counts, seen = torch.zeros(2, len(sizes)), 0
+    with torch.inference_mode():
+        for hidden, targets, _, roots in answer_positions(medusa, [ORACLE_CHAT]):
+            for h, truth, root in zip(hidden, targets.T.tolist(), roots.tolist()):
+                truth = truth[: truth.index(IGNORE_INDEX)] if IGNORE_INDEX in truth else truth
+                for i, n in enumerate(sizes):
+                    tree = build(tuple(paths[:n]))
+                    counts[0, i] += 1 + accepted(tree, propose(heads, lm_head, embed, h, root, tree, tree)[0], truth)
+                    if n:
+                        tree, tokens, _ = propose_confident(heads, lm_head, embed, h, root, n, sizes[-1])
+                    counts[1, i] += 1 + accepted(tree, tokens, truth) if n else 1
+                seen += 1
+    assert static == pytest.approx((counts[0] / seen).tolist())
+    assert confident == pytest.approx((counts[1] / seen).tolist())
+    assert static[0] == confident[0] == 1 and static[-1] > 2 and confident[-1] > 2  # long paths were counted
+
+
+def test_simulation_stops_after_simulated_positions(oracle):
+    medusa, _ = oracle
+    paths, _ = grow_tree(HAND, 4)
+    one = measure_yields(medusa, [ORACLE_CHAT], paths, [0, 4], CalibrateConfig(simulated_positions=1))
+    assert one[0][1] in (1, 2, 3) and one != measure_yields(medusa, [ORACLE_CHAT], paths, [0, 4])
+
+
 def test_step_latency_is_one_positive_time_per_tree(oracle):
     medusa, _ = oracle
     paths, _ = grow_tree(HAND, 6)
@@ -249,13 +310,15 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6
     assert record["contexts"] == [128, 512, 1024 - 8] and [len(row) for row in record["latency_s"]] == [6] * 3
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
+    for simulated in (record["simulated_tokens"], record["confident_tokens"]):  # random heads: rarely right
+        assert len(simulated) == 6 and simulated[0] == 1 and all(1 <= n < 2 for n in simulated)
     threads = torch.get_num_threads()  # 1 (one_thread), or MEDUSA_TEST_THREADS
     kernels = "stock" if native_build() else "native"
     assert record["setup"].endswith(f", {threads} thread{'s' * (threads > 1)}, float32, {kernels} kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
     tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
     assert tree.num_nodes == record["size"] + 1
-    for name in ("accuracy.png", "tree.png", "tokens_per_s.png"):
+    for name in ("accuracy.png", "tree.png", "tokens_per_s.png", "yields.png"):
         assert (tmp_path / "out" / name).stat().st_size > 1000
     assert "<- chosen" in capsys.readouterr().out
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
@@ -350,3 +413,27 @@ def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, o
         assert out.token_ids == answer[: len(out.token_ids)]
         measured = (len(out.token_ids) - 1) / (out.steps - 1)  # per verification step; the prefill yields 1
         assert measured == pytest.approx(1 + expected[-1], rel=0.1), size
+
+
+def test_simulated_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, one_thread):
+    """measure_yields' tokens per step, static and confident trees, are what the engine achieves: oracle heads over
+    the model's own greedy answer, decoded with each tree (confident: each step's likeliest nodes)."""
+    model = lively_model("llama", vocab_size=len(tokenizer))
+    with torch.no_grad():
+        model.lm_head.weight[: SPECIAL_TOKENS] = 0  # the answer must survive detokenize -> retokenize
+    user = [ORACLE_CHAT[0]]
+    prompt = torch.tensor(chat_ids(tokenizer, user, generation_prompt=True))
+    answer = greedy_reference(model, prompt, 240)
+    medusa = MedusaModel(model, tokenizer, OracleHeads(model, torch.tensor(prompt.tolist() + answer)))
+    chat = [user + [{"role": "assistant", "content": tokenizer.decode(answer)}]]
+    paths, _ = grow_tree(measure_accuracy(medusa, chat), 30)
+    sizes = [0, 1, 10, 30]
+    static, confident = measure_yields(medusa, chat, paths, sizes, EVERY_POSITION)
+    for i, size in enumerate(sizes[1:], 1):
+        for trees, simulated in ((Tree.from_spec(paths[:size]), static),
+                                 (Ladder.fixed(Tree.from_spec([size]), confident=True), confident)):
+            medusa.trees = trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
+            out = medusa.generate(messages=user, max_new_tokens=len(answer) - 10)
+            assert out.token_ids == answer[: len(out.token_ids)]
+            measured = (len(out.token_ids) - 1) / (out.steps - 1)  # per verification step; the prefill yields 1
+            assert measured == pytest.approx(simulated[i], rel=0.1), (size, trees)

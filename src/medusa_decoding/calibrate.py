@@ -18,6 +18,7 @@ import statistics
 import sys
 import textwrap
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import NamedTuple
@@ -26,16 +27,16 @@ import torch
 
 from . import cache as kv
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import Batch, context_limit
+from .decoding import Batch, context_limit, propose, propose_confident
 from .default_model import cache_root
-from .guard import Guard, Ladder
+from .guard import Guard, Ladder, first_sizes, yields
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
 
 Node = tuple[int, ...]  # a tree node's path: the rank taken in each head's top-k, root excluded
 ACCURACY_NAME = "accuracy.json"
-PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png"}
+PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png", "yields": "yields.png"}
 DEFAULTS = CalibrateConfig()
 HEADS_CHUNK = 256  # positions per heads call: K x 256 x V logits stay ~200 MB for a 50k vocabulary
 TRIED_SIZES = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
@@ -120,36 +121,52 @@ class Calibration:
     guess_vocab: list[int] | None = None  # the tokens the heads guess from (kernels.set_guess_vocab); None: all
     batch_sizes: list[int] = (1,)  # batches the ladder's step latency was measured at
     batch_latency_s: list[list[float]] | None = None  # [batch_sizes][ladder trees] a batch's step seconds
+    # tokens per step measured by simulating each size's tree on the data (measure_yields): the static tree (paths[:n])
+    # and the confident one (each step's likeliest n); None where calibrated before they were
+    simulated_tokens: list[float] | None = None
+    confident_tokens: list[float] | None = None
+    confident_size: int | None = None  # the size confident trees decode fastest at (their tokens, the same latency)
 
     @property
     def tree_paths(self) -> list[Node]:
         return self.paths[: self.size]
 
-    def ladder(self) -> Ladder:
-        """The trees `--tree auto` chooses among at run time (guard.py): the chosen one and every smaller size."""
+    def ladder(self, confident: bool = False) -> Ladder:
+        """The trees `--tree auto` chooses among at run time (guard.py): the chosen one and every smaller size
+        (confident: `--tree confident`'s sizes, each step's likeliest nodes)."""
         return ladder(torch.tensor(self.accuracy, dtype=torch.float64), self.sizes, self.contexts, self.latency_s,
-                      self.size, self.batch_sizes, self.batch_latency_s)
+                      self.size, self.batch_sizes, self.batch_latency_s, self.confident_size,
+                      self.confident_tokens if confident else None)
 
 
 def ladder(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latency_s: list[list[float]],
-           size: int, batch_sizes=(1,), batch_latency_s: list[list[float]] | None = None) -> Ladder:
+           size: int, batch_sizes=(1,), batch_latency_s: list[list[float]] | None = None,
+           confident_size: int | None = None, confident_tokens: list[float] | None = None) -> Ladder:
     """The best tree of each of `sizes` up to the chosen `size` (accuracy [K, S]), their expected tokens per step and
     step latency. Larger trees are left out: on this calibration they are predicted slower, and whether one beats
     the chosen tree on a prompt hinges on a few percent that per-request estimates cannot resolve (measured:
-    picking a 4-candidate tree over the chosen 3 on math prompts lost 3%)."""
-    paths, expected = grow_tree(accuracy, size)
-    kept = [i for i, n in enumerate(sizes) if n <= size]
-    return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept),
-                  expected_tokens=tuple(1.0 + (expected[sizes[i] - 1] if sizes[i] else 0.0) for i in kept),
+    picking a 4-candidate tree over the chosen 3 on math prompts lost 3%).
+
+    confident_tokens (measure_yields' per size): the ladder of confident trees instead, up to confident_size, with
+    those tokens per step; its trees stand for their sizes. batch_latency_s covers the trees up to the larger size.
+    """
+    confident = confident_tokens is not None and confident_size is not None
+    top = confident_size if confident else size
+    paths, expected = grow_tree(accuracy, top)
+    kept = [i for i, n in enumerate(sizes) if n <= top]
+    tokens = [confident_tokens[i] if confident else 1.0 + (expected[sizes[i] - 1] if sizes[i] else 0.0) for i in kept]
+    return Ladder(trees=tuple(build(tuple(paths[: sizes[i]])) for i in kept), expected_tokens=tuple(tokens),
                   contexts=tuple(contexts), latency_s=tuple(tuple(row[i] for i in kept) for row in latency_s),
                   batch_sizes=tuple(batch_sizes),
-                  batch_latency_s=None if batch_latency_s is None else tuple(map(tuple, batch_latency_s)))
+                  batch_latency_s=None if batch_latency_s is None else tuple(tuple(row[: len(kept)]) for row in batch_latency_s),
+                  confident=confident)
 
 
-def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]]
-                ) -> Calibration:
+def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], latencies: list[list[float]],
+                confident_tokens: list[float] | None = None) -> Calibration:
     """The tree size with the most predicted tokens/s at the middle context. latencies[c][i]: step seconds with
-    sizes[i] candidates at contexts[c] tokens."""
+    sizes[i] candidates at contexts[c] tokens. confident_tokens: confident trees' tokens per step per size
+    (measure_yields), whose fastest size is chosen too: they verify as many nodes as a static tree, at its cost."""
     if len(sizes) < 2 or sizes[0] != 0 or sorted(set(sizes)) != sizes:
         raise ValueError(f"latencies: need step times for sizes 0 < n1 < n2 < ..., got sizes {sizes!r}")
     if not contexts or len(latencies) != len(contexts) or any(len(row) != len(sizes) for row in latencies):
@@ -160,10 +177,37 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
     if len(paths) < sizes[-1]:
         raise ValueError(f"latencies: size {sizes[-1]} measured, but the heads allow only {len(paths)} nodes")
     tokens = [1.0 + (expected[n - 1] if n else 0.0) for n in sizes]
-    speed = [t / s for t, s in zip(tokens, latencies[len(contexts) // 2])]
+    middle = latencies[len(contexts) // 2]
+    speed = [t / s for t, s in zip(tokens, middle)]
     best = max(range(1, len(sizes)), key=speed.__getitem__)
+    confident = None if confident_tokens is None else max(range(1, len(sizes)),
+                                                          key=lambda i: confident_tokens[i] / middle[i])
     return Calibration(accuracy.tolist(), paths, list(sizes), tokens, list(contexts), [list(r) for r in latencies],
-                       speed, sizes[best])
+                       speed, sizes[best], confident_tokens=confident_tokens,
+                       confident_size=None if confident is None else sizes[confident])
+
+
+@torch.inference_mode()
+def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
+    """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time: (hidden [n, H]
+    at each position t where some head has a target, targets [K, n] (token t+k+2, IGNORE_INDEX past the answer),
+    what hydra heads read of the true tokens after t [n, K, H] (else None), roots [n]: token t+1)."""
+    from .training.data import IGNORE_INDEX, build_examples, collate
+    from .training.train import HEAD_OFFSET, future_labels, path_embeddings
+
+    model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
+    examples = build_examples(tokenizer, conversations, config.max_length)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    for start in range(0, len(examples), config.batch_size):
+        batch = collate(examples[start: start + config.batch_size], pad_id)
+        batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
+        out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(heads.config.num_heads)])
+        keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
+        embeds = path_embeddings(heads, model.get_input_embeddings(), batch["input_ids"])
+        roots = future_labels(batch["input_ids"], 1)
+        yield out.last_hidden_state[keep], targets[:, keep], None if embeds is None else embeds[keep], roots[keep]
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:
@@ -176,28 +220,19 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     """
     from tqdm.auto import tqdm
 
-    from .training.data import IGNORE_INDEX, build_examples, collate
-    from .training.train import HEAD_OFFSET, future_labels, path_embeddings
+    from .training.data import IGNORE_INDEX
 
-    model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
+    heads = medusa.heads
     num_heads, ranks = heads.config.num_heads, min(config.top_k, heads.config.vocab_size)
-    examples = build_examples(tokenizer, conversations, config.max_length)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     hits = torch.zeros(num_heads, ranks, dtype=torch.long)
     counts = torch.zeros(num_heads, dtype=torch.long)
-    lm_head = guess_projection(model)  # as the decoding loop guesses
+    lm_head = guess_projection(medusa.model)  # as the decoding loop guesses
     progress = tqdm(total=config.max_positions, desc="calibrate: head accuracy", unit="pos")
     with torch.inference_mode():
-        for start in range(0, len(examples), config.batch_size):
-            batch = collate(examples[start: start + config.batch_size], pad_id)
-            batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
-            out = model.base_model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-            targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(num_heads)])
-            keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
-            embeds = path_embeddings(heads, model.get_input_embeddings(), batch["input_ids"])
-            paths = itertools.repeat(None) if embeds is None else embeds[keep].split(HEADS_CHUNK)
-            chunks = zip(out.last_hidden_state[keep].split(HEADS_CHUNK), targets[:, keep].split(HEADS_CHUNK, dim=1), paths)
-            for chunk_hidden, chunk_targets, chunk_embeds in chunks:
+        for hidden, targets, embeds, _ in answer_positions(medusa, conversations, config):
+            paths = itertools.repeat(None) if embeds is None else embeds.split(HEADS_CHUNK)
+            for chunk_hidden, chunk_targets, chunk_embeds in zip(hidden.split(HEADS_CHUNK),
+                                                                 targets.split(HEADS_CHUNK, dim=1), paths):
                 top = heads.guesses(chunk_hidden, lm_head, ranks, embeds=chunk_embeds)  # [K, n, S]
                 hits += (top == chunk_targets[..., None]).sum(1).cpu()  # an ignored target (-100) never matches
                 counts += (chunk_targets != IGNORE_INDEX).sum(-1).cpu()
@@ -208,6 +243,51 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     if counts[0] == 0:
         raise ValueError("calibration data: no answer token has a head target (answers too short)")
     return hits.double() / counts.clamp(min=1)[:, None]
+
+
+def measure_yields(medusa, conversations: list[list[dict]], paths: list[Node], sizes: list[int],
+                   config: CalibrateConfig = DEFAULTS) -> tuple[list[float], list[float]]:
+    """Tokens per step of the static tree of each size (paths[:n]: the greedy order) and of the confident tree of each
+    size, counted on about config.simulated_positions answer positions spread over all the data (every s-th position
+    of every s-th conversation: neighbours are alike, and files differ), from the decoding loop's own proposals at
+    each (decoding.propose, propose_confident; the root: the answer's next token) and the guard's count of what
+    each tree accepts of the tokens that follow (guard.yields). What choose_tree predicts from products of
+    accuracies, which assumes the heads right or wrong independently, measured; and for confident trees, whose
+    nodes change every step, the only prediction there is."""
+    from tqdm.auto import tqdm
+
+    from .training.data import IGNORE_INDEX, build_examples
+
+    heads, largest = medusa.heads, build(tuple(paths[: sizes[-1]]))
+    lm_head, embed = guess_projection(medusa.model), medusa.model.get_input_embeddings()
+    static, confident, seen = [0] * len(sizes), [0] * len(sizes), 0
+    first = first_sizes(paths, sizes)
+    answers = sum(label != IGNORE_INDEX for example in build_examples(medusa.tokenizer, conversations, config.max_length)
+                  for label in example["labels"])
+    stride = math.ceil(math.sqrt(answers / config.simulated_positions))
+    progress = tqdm(total=min(config.simulated_positions, answers), desc="calibrate: tree yields", unit="pos")
+    with torch.inference_mode():
+        for hidden, targets, _, roots in answer_positions(medusa, conversations[::stride], config):
+            for t in range(0, len(roots), stride):
+                truth = targets[:, t].tolist()
+                truth = truth[: truth.index(IGNORE_INDEX)] if IGNORE_INDEX in truth else truth
+                _, guesses = propose(heads, lm_head, embed, hidden[t], int(roots[t]), largest, largest)
+                counted = yields(guesses if isinstance(guesses, dict) else guesses.tolist(), truth, first, len(sizes))
+                static = [a + b for a, b in zip(static, counted)]
+                _, _, (tops, ranked) = propose_confident(heads, lm_head, embed, hidden[t], int(roots[t]), sizes[-1],
+                                                         sizes[-1])
+                counted = yields(tops, truth, first_sizes(ranked, sizes), len(sizes))
+                confident = [a + b for a, b in zip(confident, counted)]
+                seen += 1
+                progress.update()
+                if seen == config.simulated_positions:
+                    break
+            if seen == config.simulated_positions:
+                break
+    progress.close()
+    if not seen:
+        raise ValueError("calibration data: no answer token has a head target (answers too short)")
+    return [n / seen for n in static], [n / seen for n in confident]
 
 
 def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[int]:
@@ -318,27 +398,39 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted; then the
-    latency of the trees the guard may pick against the batch size."""
-    sizes = tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))  # fewer where the heads allow fewer nodes
-    fitted = choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config))
+def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS,
+             confident_tokens: list[float] | None = None) -> Calibration:
+    """The step latency of the greedy tree of each tried size up to max_nodes, then the fastest predicted (for
+    confident trees too, given their tokens per size); then the latency of the trees the guard may pick against the
+    batch size."""
+    sizes = fit_sizes(accuracy, config)
+    fitted = choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config),
+                         confident_tokens)
     return with_batch_latency(medusa, fitted, config)
 
 
+def fit_sizes(accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> list[int]:
+    """The tree sizes a fit measures: up to max_nodes, fewer where the heads allow fewer nodes."""
+    return tried_sizes(len(grow_tree(accuracy, config.max_nodes)[0]))
+
+
 def with_batch_latency(medusa, fitted: Calibration, config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The fit, with the step latency of its ladder's trees against the batch size."""
-    batches = measure_batch_latency(medusa, list(fitted.ladder().trees), config)
+    """The fit, with the step latency of its ladders' trees (auto's and confident's) against the batch size."""
+    trees = max(fitted.ladder().trees, fitted.ladder(confident=True).trees, key=len)
+    batches = measure_batch_latency(medusa, list(trees), config)
     return replace(fitted, batch_sizes=list(config.batch_sizes), batch_latency_s=batches)
 
 
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
-    """The tokens the heads guess from, the accuracy table of those guesses on the conversations, then the tree
-    fitted to this device."""
+    """The tokens the heads guess from, the accuracy table of those guesses on the conversations, the tokens per step
+    of every tree size simulated on them, then the trees fitted to this device."""
     vocab = answer_vocab(medusa, conversations, config)
     set_guess_vocab(medusa.model, vocab)
-    calibration = fit_tree(medusa, measure_accuracy(medusa, conversations, config), config)
-    return replace(calibration, guess_vocab=None if vocab is None else vocab.tolist())
+    accuracy = measure_accuracy(medusa, conversations, config)
+    sizes = fit_sizes(accuracy, config)
+    simulated, confident = measure_yields(medusa, conversations, grow_tree(accuracy, sizes[-1])[0], sizes, config)
+    calibration = fit_tree(medusa, accuracy, config, confident)
+    return replace(calibration, guess_vocab=None if vocab is None else vocab.tolist(), simulated_tokens=simulated)
 
 
 def answer_vocab(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor | None:
@@ -362,7 +454,8 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     plot(calibration, directory, setup)
 
 
-FIT = ("sizes", "contexts", "latency_s", "size", "batch_sizes", "batch_latency_s")  # what the guard's ladder is built from
+# what the guard's ladder is built from (confident_size: where confident trees were fitted too)
+FIT = ("sizes", "contexts", "latency_s", "size", "batch_sizes", "batch_latency_s", "confident_size")
 
 
 class HeadsCalibration(NamedTuple):
@@ -372,6 +465,7 @@ class HeadsCalibration(NamedTuple):
     setup: str | None  # what the latency was measured on
     guess_vocab: torch.Tensor | None  # the tokens the heads guess from; None: all
     fit: dict | None  # FIT's fields, measured on `setup`; None where the record predates latency by context
+    confident_tokens: list[float] | None  # confident trees' tokens per step, per size of the fit (measure_yields)
 
 
 def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
@@ -384,46 +478,50 @@ def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
         vocab = record.get("guess_vocab")
         vocab = None if vocab is None else torch.tensor(vocab, dtype=torch.long)
         fit = {name: record[name] for name in FIT if name in record} if "contexts" in record else None  # batch: later
-        return HeadsCalibration(torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab, fit)
+        return HeadsCalibration(torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab, fit,
+                                record.get("confident_tokens"))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
         raise ValueError(f"calibration: {path} is not a valid accuracy table: {error}") from None
 
 
-def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, config: CalibrateConfig = DEFAULTS
-              ) -> Ladder:
+def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, config: CalibrateConfig = DEFAULTS,
+              confident: bool = False) -> Ladder:
     """`--tree auto`: the trees fitted to these heads, this model and this device, from the heads' calibration
-    (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time.
+    (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time (confident: `--tree
+    confident`'s, where the calibration simulated confident trees, else auto's).
 
     The calibration's own latency fit where it was measured on this very setup (with the batch latency of its
     trees measured now where it predates that); else one fitted now (seconds of latency measurement); either cached
     under cache_root()/trees, keyed by model, heads, setup, the kernels' code and what is measured.
     """
-    here, fit = setup(medusa), calibration.fit
+    here, fit, tokens = setup(medusa), calibration.fit, calibration.confident_tokens
     own = calibration.setup == here and fit is not None  # the calibration measured this very setup
     if own and "batch_latency_s" in fit:
-        return ladder(calibration.accuracy, **fit)
+        return ladder(calibration.accuracy, **fit, confident_tokens=tokens if confident else None)
     vocab = calibration.guess_vocab
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
             None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts,
-            config.batch_sizes, own]  # all the fit depends on
+            config.batch_sizes, own, tokens]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():
-        return ladder(calibration.accuracy, **{name: json.loads(cached.read_text())[name] for name in FIT})
+        record = json.loads(cached.read_text())
+        return ladder(calibration.accuracy, **{name: record[name] for name in FIT},
+                      confident_tokens=tokens if confident else None)
     print(f"tree auto: fitting the trees to {here} (once; cached in {cached.parent})", file=sys.stderr)
     if own:  # a calibration from before batches were timed: its fit, and the batch latency of its ladder
-        fitted = replace(choose_tree(calibration.accuracy, fit["sizes"], fit["contexts"], fit["latency_s"]),
+        fitted = replace(choose_tree(calibration.accuracy, fit["sizes"], fit["contexts"], fit["latency_s"], tokens),
                          size=fit["size"])
         fitted = with_batch_latency(medusa, fitted, config)
     else:
-        fitted = fit_tree(medusa, calibration.accuracy, config)
+        fitted = fit_tree(medusa, calibration.accuracy, config, tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
     record = {"tree": [list(p) for p in fitted.tree_paths], "setup": here, "model": medusa.model.name_or_path,
               "heads": str(heads_dir), "tokens_per_s": fitted.tokens_per_s, **{name: getattr(fitted, name) for name in FIT}}
     tmp = cached.with_suffix(".tmp")
     tmp.write_text(json.dumps(record) + "\n")
     tmp.replace(cached)  # whole or not at all
-    return fitted.ladder()
+    return fitted.ladder(confident)
 
 
 def plot(calibration: Calibration, directory: Path, device: str) -> None:
@@ -432,7 +530,9 @@ def plot(calibration: Calibration, directory: Path, device: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    for name, draw in (("accuracy", plot_accuracy), ("tree", plot_tree), ("speed", plot_speed)):
+    for name, draw in (("accuracy", plot_accuracy), ("tree", plot_tree), ("speed", plot_speed), ("yields", plot_yields)):
+        if name == "yields" and calibration.simulated_tokens is None:
+            continue
         figure = draw(plt, calibration, device)
         figure.tight_layout()
         figure.savefig(directory / PLOT_NAMES[name], dpi=100)
@@ -519,4 +619,23 @@ def plot_speed(plt, calibration: Calibration, device: str):
                 fontsize=7, frameon=False)
     axes.set_title(f"tree size vs speed: (1 + expected acceptance) / step latency\n{textwrap.fill(device, 100)}",
                    fontsize=9)
+    return figure
+
+
+def plot_yields(plt, calibration: Calibration, device: str):
+    """Tokens per step against tree size: predicted from the accuracy table, and simulated on the data (measure_yields)
+    for the static trees and for confidence-driven ones."""
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for tokens, label, style in ((calibration.expected_tokens, "static tree, predicted (products of accuracies)", ":"),
+                                 (calibration.simulated_tokens, "static tree, simulated on the data", "-"),
+                                 (calibration.confident_tokens, "confident tree (each step's likeliest), simulated", "-")):
+        axes.plot(calibration.sizes, tokens, ls=style, marker=".", label=label)
+    axes.axvline(calibration.size, color="tab:green", ls="--", lw=1, label=f"chosen: {calibration.size} candidates")
+    axes.set_xscale("symlog", linthresh=1)
+    axes.set_xlim(0, calibration.sizes[-1] * 1.1)
+    axes.set_xlabel("tree size (candidate nodes)")
+    axes.set_ylabel("tokens per step")
+    axes.legend(fontsize=8)
+    axes.grid(alpha=0.3)
+    axes.set_title(f"tokens per step against tree size\n{textwrap.fill(device, 80)}", fontsize=9)
     return figure

@@ -315,16 +315,24 @@ def cmd_calibrate(args) -> None:
         print(f"head {k:<3}" + "".join(f"{a:>7.3f}" for a in row))
     middle = result.contexts[len(result.contexts) // 2]
     print(f"\nstep ms at contexts of {', '.join(map(str, result.contexts))} tokens; tokens/s predicted at {middle}")
-    print(f"{'size':>4} {'tokens/step':>11} " + "".join(f"{f'ms @{c}':>10}" for c in result.contexts) + f"{'tokens/s':>10}")
+    print("tokens/step: predicted from the table; simulated on the data for the static and the confident tree")
+    print(f"{'size':>4} {'tokens/step':>11} {'simulated':>9} {'confident':>9} "
+          + "".join(f"{f'ms @{c}':>10}" for c in result.contexts) + f"{'tokens/s':>10}")
     for i, (n, tokens, speed) in enumerate(zip(result.sizes, result.expected_tokens, result.tokens_per_s)):
         latencies = "".join(f"{1000 * row[i]:>10.2f}" for row in result.latency_s)
-        print(f"{n:>4} {tokens:>11.3f} {latencies}{speed:>10.1f}{'  <- chosen' if n == result.size else ''}")
+        print(f"{n:>4} {tokens:>11.3f} {result.simulated_tokens[i]:>9.3f} {result.confident_tokens[i]:>9.3f} "
+              f"{latencies}{speed:>10.1f}{'  <- chosen' if n == result.size else ''}")
     output = args.output or args.heads
     save(result, output, setup(medusa))
     chosen = result.tokens_per_s[result.sizes.index(result.size)]
     print(f"calibrate: a tree of {result.size} candidates, predicted {chosen:.1f} tokens/s at {middle} tokens "
           f"(plain {result.tokens_per_s[0]:.1f}) on {setup(medusa)} -> {output}/tree.json, {ACCURACY_NAME}, "
           f"{', '.join(PLOT_NAMES.values())}; `--tree auto` moves between the sizes step by step", file=sys.stderr)
+    if result.confident_size is not None:
+        i = result.sizes.index(result.confident_size)
+        print(f"calibrate: confident trees (`--tree confident`) decode fastest at {result.confident_size} candidates, "
+              f"{result.confident_tokens[i]:.2f} tokens per step, predicted "
+              f"{result.confident_tokens[i] / result.latency_s[len(result.contexts) // 2][i]:.1f} tokens/s", file=sys.stderr)
     if result.tokens_per_s[0] > chosen:
         print("calibrate: plain decoding is predicted faster on this device: the heads' guesses do not pay for "
               "the extra work (train them longer, or decode plainly: GenerationConfig(medusa=False))", file=sys.stderr)

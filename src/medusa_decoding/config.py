@@ -192,6 +192,7 @@ class CalibrateConfig:
     top_k: int = 10  # ranks measured per head (S of the accuracy table)
     max_nodes: int = 64  # the largest tree tried (candidates, root not counted)
     max_positions: int = 4096  # answer positions measured; enough for a table to 1-2 points
+    simulated_positions: int = 2000  # answer positions at which every tree is simulated (calibrate.measure_yields)
     max_length: int = 1024  # tokens per conversation (longer ones are cut)
     batch_size: int = 4
     # context lengths the step latency is timed at (attention grows with the context, and with it a tree step's cost
@@ -205,7 +206,7 @@ class CalibrateConfig:
     guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
-        for name in ("top_k", "max_nodes", "max_positions", "max_length", "batch_size", "latency_repeats"):
+        for name in ("top_k", "max_nodes", "max_positions", "simulated_positions", "max_length", "batch_size", "latency_repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not self.latency_contexts or not all(isinstance(n, int) and n >= 1 for n in self.latency_contexts):

@@ -190,8 +190,7 @@ class Guard:
             return
         if isinstance(guesses, tuple):  # a confident step: trees of each size hold its likeliest nodes
             tops, ranked = guesses
-            first = {path: next(i for i, n in enumerate(self.sizes) if n > rank) for rank, path in enumerate(ranked)}
-            self.pending.append((len(self.generated), tops, first))
+            self.pending.append((len(self.generated), tops, first_sizes(ranked, self.sizes)))
         elif guesses is not None:
             self.pending.append((len(self.generated), guesses if isinstance(guesses, dict) else guesses.tolist(), None))
         self.generated += new
@@ -233,6 +232,16 @@ def batch_yields(guards: list[Guard]) -> list[list[float] | None]:
     means = {key: [sum(column) / len(group) for column in zip(*(guard.tokens for guard in group))]
              for key, group in groups.items() if len(group) > 1}
     return [means.get(id(guard.ladder)) if guard.watching else None for guard in guards]
+
+
+def first_sizes(ranked: list[tuple[int, ...]], sizes: list[int]) -> dict[tuple[int, ...], int]:
+    """Node paths, likeliest first (a confident step's, or calibration's greedy order), and nested tree sizes -> each
+    path's first tree: the index of the smallest size that holds it (a tree of n candidates holds the n first).
+
+    >>> first_sizes([(0,), (1,), (0, 0)], [0, 1, 3])
+    {(0,): 1, (1,): 2, (0, 0): 2}
+    """
+    return {path: next(i for i, n in enumerate(sizes) if n > rank) for rank, path in enumerate(ranked[: sizes[-1]])}
 
 
 def yields(guesses: list[list[int]] | dict, tokens: list[int], first: dict[tuple[int, ...], int], trees: int
