@@ -322,6 +322,25 @@ def test_medusa_heads_start_hydra_heads_with_the_same_logits(tokenizer, tmp_path
         make_heads(model, TrainConfig(num_heads=3), tmp_path / "hydra")
 
 
+@pytest.mark.parametrize("kind, projection", [("medusa", "shared"), ("medusa", "own"), ("hydra", "shared")])
+def test_trained_heads_start_deeper_heads_with_the_same_logits(tokenizer, tmp_path, kind, projection):
+    model = model_for(tokenizer)
+    shallow = make_heads(model, TrainConfig(num_heads=3, kind=kind, projection=projection), None)
+    with torch.no_grad():
+        for p in shallow.parameters():
+            p.normal_()
+    shallow.save_pretrained(tmp_path)
+    deep = make_heads(model, TrainConfig(num_heads=3, num_layers=3, kind=kind, projection=projection), tmp_path)
+    assert deep.config.num_layers == 3 and not any(p.any() for p in deep.heads[0][2].parameters())  # the identity
+    hidden, lm_head = torch.randn(5, model.config.hidden_size), model.get_output_embeddings()
+    embeds = model.get_input_embeddings()(torch.randint(len(tokenizer), (5, 3))) if kind == "hydra" else None
+    with torch.no_grad():
+        assert torch.equal(deep(hidden, lm_head, embeds=embeds), shallow(hidden, lm_head, embeds=embeds))
+    deep.save_pretrained(tmp_path / "deep")
+    with pytest.raises(ValueError, match="num_layers=3, but training asks for num_layers=2"):  # never shallower
+        make_heads(model, TrainConfig(num_heads=3, num_layers=2, kind=kind, projection=projection), tmp_path / "deep")
+
+
 def test_errors(tokenizer, tmp_path, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

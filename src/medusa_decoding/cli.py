@@ -370,7 +370,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--eval-fraction", type=float, default=TRAIN.eval_fraction, help="held out for per-head accuracy")
     add("--save-steps", type=int, default=TRAIN.save_steps, help="checkpoint and evaluate every this many steps")
     add("--seed", type=int, default=TRAIN.seed)
-    add("--init-heads", help="start from these (MEDUSA-1) heads instead of fresh ones")
+    add("--init-heads", help="start from these trained heads instead of fresh ones (MEDUSA heads may start hydra "
+        "heads, and heads may start deeper ones: --num-layers more; the new weights start at zero, the logits unchanged)")
     add("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT/checkpoints")
     add("--merge", action="store_true", help="medusa2: also write the merged model to OUTPUT/model")
 

@@ -243,7 +243,8 @@ def load_backbone(model: str | None, config: TrainConfig):
 
 def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Path | None) -> MedusaHeads:
     """Fresh heads (an untrained head repeats the base model), or trained ones to start from; fp32 to train.
-    Trained MEDUSA heads start hydra heads too (`with_tokens`): they train only what the tokens add."""
+    Trained MEDUSA heads start hydra heads too (`with_tokens`): they train only what the tokens add; trained heads
+    start deeper ones (`deepened`): they train only what the new blocks add."""
     hidden_size = model.config.get_text_config().hidden_size
     lm_head = model.get_output_embeddings()
     vocab_size = lm_head.weight.shape[0]
@@ -255,6 +256,8 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
     heads.check_compatible(hidden_size, vocab_size, model.name_or_path)
     if (heads.config.kind, wanted.kind) == ("medusa", "hydra"):
         heads = with_tokens(heads)
+    if heads.config.num_layers < wanted.num_layers:
+        heads = deepened(heads, wanted.num_layers)
     for name in ("kind", "num_heads", "num_layers", "projection"):
         if getattr(heads.config, name) != getattr(wanted, name):
             raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
@@ -272,6 +275,18 @@ def with_tokens(heads: MedusaHeads) -> MedusaHeads:
         state[name] = torch.cat([state[name], state[name].new_zeros(state[name].shape[0], (k + 1) * state[name].shape[1])], 1)
     hydra.load_state_dict(state)
     return hydra
+
+
+def deepened(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
+    """Heads with num_layers blocks that give the same logits: the new blocks follow the trained ones, zero-initialised
+    (the identity), and an own projection moves past them."""
+    deeper = MedusaHeads(replace(heads.config, num_layers=num_layers))
+    state, old = deeper.state_dict(), heads.config.num_layers
+    for name, tensor in heads.state_dict().items():
+        _, k, layer, rest = name.split(".", 3)  # heads.{k}.{layer}.{rest}
+        state[f"heads.{k}.{int(layer) if int(layer) < old else int(layer) - old + num_layers}.{rest}"] = tensor
+    deeper.load_state_dict(state)
+    return deeper
 
 
 def prepare_backbone(model: PreTrainedModel, config: TrainConfig) -> nn.Module:
