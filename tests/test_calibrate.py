@@ -371,6 +371,22 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
         MedusaModel.from_pretrained(base, heads)
 
 
+def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_sizes_match(base_and_heads):
+    base, heads = base_and_heads
+    sizes = tried_sizes(len(HAND_ORDER))  # what a fit here measures
+    simulated = [1 + 0.2 * n for n in sizes]
+    record = {"accuracy": HAND.tolist(), "setup": "another machine", "sizes": sizes, "contexts": [512],
+              "latency_s": [[1.0] * len(sizes)], "size": 1, "confident_tokens": simulated}
+    (heads / "accuracy.json").write_text(json.dumps(record))
+    confident, auto = (MedusaModel.from_pretrained(base, heads, tree=tree).trees for tree in ("confident", "auto"))
+    assert confident.confident and list(confident.expected_tokens) == simulated[: len(confident.trees)]
+    assert not auto.confident and list(auto.expected_tokens) != simulated[: len(auto.trees)]
+    record.update(sizes=sizes[:-1], latency_s=[[1.0] * (len(sizes) - 1)], confident_tokens=simulated[:-1])
+    (heads / "accuracy.json").write_text(json.dumps(record))  # simulated over other sizes: auto's ladder, confident
+    confident, auto = (MedusaModel.from_pretrained(base, heads, tree=tree).trees for tree in ("confident", "auto"))
+    assert confident.confident and confident.expected_tokens == auto.expected_tokens
+
+
 def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):
     base, heads = base_and_heads
     (heads / "accuracy.json").write_text('{"accuracy": [[0.5, "x"]]}')
@@ -394,9 +410,10 @@ def test_cli_rejects_bad_sizes_before_loading_a_model(tmp_path, capsys, flag, va
     assert flag.lstrip("-").replace("-", "_") in capsys.readouterr().err
 
 
-def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, one_thread):
-    """The independence model's 1 + expected acceptance, from the measured table, is what the engine
-    achieves: oracle heads over the model's own greedy answer, decoded with the greedy trees."""
+@pytest.fixture(scope="module")
+def own_answer(tokenizer, one_thread):
+    """Oracle heads over a model's own greedy answer to ORACLE_CHAT's question: (MedusaModel, the question as
+    messages, the answer's tokens, the whole chat)."""
     model = lively_model("llama", vocab_size=len(tokenizer))
     with torch.no_grad():
         model.lm_head.weight[: SPECIAL_TOKENS] = 0  # the answer must survive detokenize -> retokenize
@@ -405,7 +422,14 @@ def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, o
     answer = greedy_reference(model, prompt, 240)
     assert min(answer) >= SPECIAL_TOKENS
     medusa = MedusaModel(model, tokenizer, OracleHeads(model, torch.tensor(prompt.tolist() + answer)))
-    table = measure_accuracy(medusa, [user + [{"role": "assistant", "content": tokenizer.decode(answer)}]])
+    return medusa, user, answer, [user + [{"role": "assistant", "content": tokenizer.decode(answer)}]]
+
+
+def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(own_answer):
+    """The independence model's 1 + expected acceptance, from the measured table, is what the engine
+    achieves: oracle heads over the model's own greedy answer, decoded with the greedy trees."""
+    medusa, user, answer, chat = own_answer
+    table = measure_accuracy(medusa, chat)
     for size in (1, 10, 30):
         paths, expected = grow_tree(table, size)
         medusa.tree = Tree.from_spec(paths)
@@ -415,17 +439,10 @@ def test_predicted_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, o
         assert measured == pytest.approx(1 + expected[-1], rel=0.1), size
 
 
-def test_simulated_tokens_per_step_match_decoding_with_oracle_heads(tokenizer, one_thread):
+def test_simulated_tokens_per_step_match_decoding_with_oracle_heads(own_answer):
     """measure_yields' tokens per step, static and confident trees, are what the engine achieves: oracle heads over
     the model's own greedy answer, decoded with each tree (confident: each step's likeliest nodes)."""
-    model = lively_model("llama", vocab_size=len(tokenizer))
-    with torch.no_grad():
-        model.lm_head.weight[: SPECIAL_TOKENS] = 0  # the answer must survive detokenize -> retokenize
-    user = [ORACLE_CHAT[0]]
-    prompt = torch.tensor(chat_ids(tokenizer, user, generation_prompt=True))
-    answer = greedy_reference(model, prompt, 240)
-    medusa = MedusaModel(model, tokenizer, OracleHeads(model, torch.tensor(prompt.tolist() + answer)))
-    chat = [user + [{"role": "assistant", "content": tokenizer.decode(answer)}]]
+    medusa, user, answer, chat = own_answer
     paths, _ = grow_tree(measure_accuracy(medusa, chat), 30)
     sizes = [0, 1, 10, 30]
     static, confident = measure_yields(medusa, chat, paths, sizes, EVERY_POSITION)

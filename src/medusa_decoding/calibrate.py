@@ -173,6 +173,7 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
         raise ValueError(f"latencies: need one step time per size at each of the contexts {contexts!r}")
     if min(map(min, latencies)) <= 0:
         raise ValueError(f"latencies: step times must be positive, got {latencies!r}")
+    assert confident_tokens is None or len(confident_tokens) == len(sizes), "confident tokens: one per size"
     paths, expected = grow_tree(accuracy, sizes[-1])
     if len(paths) < sizes[-1]:
         raise ValueError(f"latencies: size {sizes[-1]} measured, but the heads allow only {len(paths)} nodes")
@@ -265,7 +266,8 @@ def measure_yields(medusa, conversations: list[list[dict]], paths: list[Node], s
     answers = sum(label != IGNORE_INDEX for example in build_examples(medusa.tokenizer, conversations, config.max_length)
                   for label in example["labels"])
     stride = math.ceil(math.sqrt(answers / config.simulated_positions))
-    progress = tqdm(total=min(config.simulated_positions, answers), desc="calibrate: tree yields", unit="pos")
+    progress = tqdm(total=min(config.simulated_positions, math.ceil(answers / stride ** 2)), desc="calibrate: tree yields",
+                    unit="pos")  # about: answers per conversation vary
     with torch.inference_mode():
         for hidden, targets, _, roots in answer_positions(medusa, conversations[::stride], config):
             for t in range(0, len(roots), stride):
@@ -382,7 +384,9 @@ def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = D
     the trees take turns (time_steps)."""
     model, device = medusa.model, medusa.model.device
     context = latency_contexts(medusa, trees, config)[0]
-    budget = GenerationConfig(max_new_tokens=max(t.num_nodes for t in trees) * (config.latency_repeats + 1) * len(trees))
+    longest = max(t.depth for t in trees) + 1  # the most a step yields
+    # no row done, no tree cut at the budget's end, whatever is accepted (not a token per node: the context is finite)
+    budget = GenerationConfig(max_new_tokens=longest * ((config.latency_repeats + 1) * len(trees) + 1) + 1)
     table = []
     for rows in config.batch_sizes:
         batch = Batch(model, medusa.heads, medusa.compiled)
@@ -498,6 +502,8 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     own = calibration.setup == here and fit is not None  # the calibration measured this very setup
     if own and "batch_latency_s" in fit:
         return ladder(calibration.accuracy, **fit, confident_tokens=tokens if confident else None)
+    if not own and (fit is None or fit["sizes"] != fit_sizes(calibration.accuracy, config)):
+        tokens = None  # confident trees' tokens per size of the calibration's fit: not the sizes a refit measures
     vocab = calibration.guess_vocab
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
             None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts,
