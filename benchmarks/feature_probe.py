@@ -1,0 +1,150 @@
+"""Does head 0 of trained hydra heads guess better when it also reads earlier layers (EAGLE-3's fused features)?
+
+A probe, not a training recipe: the frozen base model's features at every answer position of the training and
+calibration files are cached once (bfloat16), then head 0 of HEADS_DIR is trained further twice with the same
+batches, schedule and seed: as it is (`[h; e(root)]`, the shipped layout) and reading layers' outputs beside them
+(RMS-normalised without weights, their columns zero at the start so both variants start from the same logits). Its
+rank-0 accuracy on the calibration files (never trained on) is printed after every epoch, over the guess vocabulary
+that the heads' calibration recorded, as the calibration counts it. Prints a table, writes JSON and a PNG beside it.
+usage: .venv/bin/python benchmarks/feature_probe.py --train FILE [FILE ...] --heldout FILE [FILE ...] --json PATH
+           [--heads DIR] [--layers 8 16 24] [--epochs 2] [--lr 5e-4]
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.heads import MedusaHeads
+from medusa_decoding.model import load_base
+from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations
+
+BATCH = 256
+
+
+@torch.no_grad()
+def features(model, tokenizer, files: list[str], layers: list[int]) -> dict[str, torch.Tensor]:
+    """At every position t whose token t+2 is an answer token: h_t [N, H], the layers' outputs at t [N, L, H]
+    (RMS-normalised), the root x_t+1 and the target x_t+2 [N]."""
+    examples = build_examples(tokenizer, [chat for path in files for chat in read_conversations(path)], 2048)
+    found = {"hidden": [], "layers": [], "root": [], "target": []}
+    for example in tqdm(examples, desc=f"features of {len(examples)} conversations", unit="conversation"):
+        ids, labels = torch.tensor([example["input_ids"]]), torch.tensor(example["labels"])
+        out = model.base_model(input_ids=ids, output_hidden_states=True)
+        t = (labels[2:] != IGNORE_INDEX).nonzero()[:, 0]
+        found["hidden"].append(out.last_hidden_state[0, t].bfloat16())
+        chosen = [out.hidden_states[layer][0, t].float() for layer in layers]  # [0]: the embeddings, [i]: layer i's output
+        found["layers"].append(torch.stack([F.rms_norm(x, x.shape[-1:]) for x in chosen], 1).bfloat16())
+        found["root"].append(ids[0, t + 1])
+        found["target"].append(ids[0, t + 2])
+    return {name: torch.cat(parts) for name, parts in found.items()}
+
+
+class Head0(torch.nn.Module):
+    """Head 0 of hydra heads, optionally reading `extra` more feature vectors: h + SiLU(W [h; e(root); layers])
+    projected onto the guess vocabulary's rows of the LM head."""
+
+    def __init__(self, heads: MedusaHeads, rows: torch.Tensor, embed: torch.Tensor, extra: int):
+        super().__init__()
+        linear = heads.heads[0][0].linear
+        hidden = linear.weight.shape[0]
+        self.weight = torch.nn.Parameter(torch.cat([linear.weight.float(), linear.weight.new_zeros(hidden, extra * hidden).float()], 1))
+        self.bias = torch.nn.Parameter(linear.bias.float().clone())
+        self.rows, self.embed, self.extra = rows, embed, extra
+
+    def forward(self, data: dict, index: torch.Tensor) -> torch.Tensor:
+        h = data["hidden"][index].float()
+        inputs = [h, self.embed[data["root"][index]]]
+        if self.extra:
+            inputs.append(data["layers"][index].float().flatten(1))
+        return (h + F.silu(F.linear(torch.cat(inputs, 1), self.weight, self.bias))) @ self.rows.T
+
+
+@torch.no_grad()
+def accuracy(head: Head0, data: dict, vocab: torch.Tensor) -> float:
+    hits = sum((vocab[head(data, index).argmax(-1)] == data["target"][index]).sum().item()
+               for index in torch.arange(len(data["target"])).split(4096))
+    return hits / len(data["target"])
+
+
+def train(head: Head0, data: dict, heldout: dict, vocab: torch.Tensor, epochs: int, lr: float) -> list[float]:
+    """AdamW, 20 warm-up steps, cosine decay; the same batches for every variant. Returns held-out accuracy before
+    training and after each epoch."""
+    place = torch.full((head.embed.shape[0],), IGNORE_INDEX).index_copy_(0, vocab, torch.arange(len(vocab)))
+    targets = place[data["target"]]
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    steps, step, curve = epochs * math.ceil(len(targets) / BATCH), 0, [accuracy(head, heldout, vocab)]
+    for epoch in range(epochs):
+        for index in tqdm(torch.randperm(len(targets), generator=generator).split(BATCH), desc=f"epoch {epoch}",
+                          leave=False):
+            for group in optimizer.param_groups:
+                group["lr"] = lr * min(1, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            loss = F.cross_entropy(head(data, index), targets[index], ignore_index=IGNORE_INDEX)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+        curve.append(accuracy(head, heldout, vocab))
+    return curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", nargs="+", required=True)
+    parser.add_argument("--heldout", nargs="+", required=True)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--heads", type=Path, default=shipped_heads())
+    parser.add_argument("--layers", nargs="+", type=int, default=[8, 16, 24])
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    model, tokenizer = load_base(None, torch.bfloat16)
+    heads = MedusaHeads.from_pretrained(args.heads)
+    if heads.config.kind != "hydra":
+        raise SystemExit(f"{args.heads}: MEDUSA heads; the probe extends a hydra head")
+    vocab = torch.tensor(json.loads((args.heads / "accuracy.json").read_text())["guess_vocab"])
+    weights = model.get_output_embeddings().weight.detach().float()
+    rows, embed = weights[vocab], model.get_input_embeddings().weight.detach().float()
+    heldout = features(model, tokenizer, args.heldout, args.layers)
+    data = features(model, tokenizer, args.train, args.layers)
+    results = {"heads": str(args.heads), "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
+               "train_positions": len(data["target"]), "heldout_positions": len(heldout["target"]), "variants": {}}
+    for name, extra in (("tokens (shipped layout)", 0), (f"tokens + layers {args.layers}", len(args.layers))):
+        start = time.perf_counter()
+        curve = train(Head0(heads, rows, embed, extra), data, heldout, vocab, args.epochs, args.lr)
+        results["variants"][name] = {"heldout_top1": curve, "seconds": time.perf_counter() - start}
+    print(f"{'head 0 reads':<32}" + "".join(f"{'epoch ' + str(e):>10}" for e in range(args.epochs + 1)))
+    for name, result in results["variants"].items():
+        print(f"{name:<32}" + "".join(f"{a:>10.4f}" for a in result["heldout_top1"]))
+    Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
+    plot(results, Path(args.json).with_suffix(".png"))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7, 4.5))
+    for name, result in results["variants"].items():
+        axes.plot(range(len(result["heldout_top1"])), result["heldout_top1"], marker="o", label=name)
+    axes.set_xlabel(f"epochs over {results['train_positions']} answer positions (lr {results['lr']}, cosine)")
+    axes.set_ylabel(f"head 0 top-1, {results['heldout_positions']} held-out positions")
+    axes.set_title("head 0 of the shipped hydra heads, trained further")
+    axes.grid(alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
