@@ -26,11 +26,12 @@ def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
     return model
 
 
-def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa") -> MedusaHeads:
+def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=()) -> MedusaHeads:
     """Shared-projection heads with random residual blocks: their guesses are mostly wrong (a hydra head's differ
-    from path to path)."""
+    from path to path; heads with feature layers read those too)."""
     config = model.config.get_text_config()
-    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, kind=kind))
+    heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, kind=kind,
+                                    feature_layers=feature_layers))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in heads.parameters():

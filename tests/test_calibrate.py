@@ -246,6 +246,22 @@ def accepted(tree: Tree, tokens: torch.Tensor, truth: list[int]) -> int:
                 if tokens[tree.chains[i, 1: len(path) + 1]].tolist() == truth[: len(path)]), default=0)
 
 
+def test_calibration_reads_the_feature_layers_that_the_heads_read(oracle):
+    """Heads with feature_layers are calibrated on what decoding gives them (heads.run_backbone): the last hidden
+    state, then layer 1's output over its RMS."""
+    medusa, _ = oracle
+    size = medusa.model.config.hidden_size
+    fused = MedusaModel(medusa.model, medusa.tokenizer, random_heads(medusa.model, kind="hydra", feature_layers=(1,)))
+    with torch.inference_mode():
+        (plain, *_), = answer_positions(medusa, [ORACLE_CHAT])
+        (state, targets, embeds, _), = answer_positions(fused, [ORACLE_CHAT])
+    assert state.shape == (len(plain), 2 * size) and torch.equal(state[:, :size], plain)
+    layer = state[:, size:]
+    torch.testing.assert_close(layer.pow(2).mean(-1), torch.ones(len(layer)), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(layer, torch.nn.functional.rms_norm(plain, (size,)), atol=1e-2)  # not the last layer
+    assert measure_accuracy(fused, [ORACLE_CHAT], CalibrateConfig(top_k=2)).shape == (4, 2)
+
+
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_simulated_yields_are_what_each_trees_candidates_match_of_the_answer(oracle, kind):
     """measure_yields counts with the guard's bookkeeping (first_sizes, yields over the largest tree's guesses); here

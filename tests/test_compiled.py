@@ -57,12 +57,13 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 
 @needs_compiler
-def test_compiled_batch_decodes_each_row_as_alone():
+@pytest.mark.parametrize("layers", [(), (1,)], ids=["medusa", "fused"])  # fused: the graph gives layer 1's output too
+def test_compiled_batch_decodes_each_row_as_alone(layers):
     model = lively_model("qwen2")
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
-    batch = Batch(engine, random_heads(engine), compiled=True)
+    batch = Batch(engine, random_heads(engine, feature_layers=layers), compiled=True)
     rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
             for prompt, n in zip(prompts, budgets)]
     produced = {id(row): [row.root] for row in rows}

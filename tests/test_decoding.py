@@ -44,11 +44,11 @@ class Case:
     hydra_oracle: OracleHeads  # right on the true path only
 
     def heads(self, name: str):
-        """random / oracle, MEDUSA's or (hydra-...) hydra's."""
-        kind = "hydra" if name.startswith("hydra") else "medusa"
+        """random / oracle, MEDUSA's or (hydra-...) hydra's; fused-random: hydra heads that read layer 1 too."""
+        kind = "medusa" if name in ("random", "oracle") else "hydra"
         if name.endswith("oracle"):
             return self.hydra_oracle if kind == "hydra" else self.oracle
-        return random_heads(self.model, kind=kind)
+        return random_heads(self.model, kind=kind, feature_layers=(1,) if name.startswith("fused") else ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,7 +76,7 @@ def tokens_per_step(steps: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("tree", TREES.values(), ids=TREES)
-@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle"])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle", "fused-random"])
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_greedy_medusa_equals_generate(family, attention, heads, tree):
     c = case(family, attention)
@@ -238,14 +238,15 @@ def smol_reference(smollm):
     return ids, out.sequences[0, len(ids):].tolist()
 
 
-@pytest.mark.parametrize("heads", ["default", "oracle", "hydra-random", "hydra-oracle"])
+@pytest.mark.parametrize("heads", ["default", "oracle", "hydra-random", "hydra-oracle", "fused-random"])
 def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
     ids, expected = smol_reference
     medusa = smollm
     if heads != "default":
-        kind = "hydra" if heads.startswith("hydra") else "medusa"
+        kind = "medusa" if heads == "oracle" else "hydra"
         draft = (OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]), kind=kind)
-                 if heads.endswith("oracle") else random_heads(smollm.model, kind=kind))
+                 if heads.endswith("oracle") else
+                 random_heads(smollm.model, kind=kind, feature_layers=(8, 16, 24) if heads.startswith("fused") else ()))
         medusa = MedusaModel(smollm.model, smollm.tokenizer, draft, Tree.from_spec(DEFAULT_TREE))  # deep enough for 2+
     out = medusa.generate(SMOL_PROMPT, max_new_tokens=NEW_TOKENS)
     assert out.token_ids == expected

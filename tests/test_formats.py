@@ -274,3 +274,11 @@ def test_hydra_heads_refuse_layouts_that_hold_medusa_heads_only(tmp_path, fmt):
     with pytest.raises(ValueError, match=f"hydra heads, which read the tokens before their guess; the {fmt} layout"):
         formats.export(heads, tmp_path / "out", fmt, torch.nn.Linear(HIDDEN, VOCAB, bias=False))
     assert not (tmp_path / "out").exists()  # nothing half-written
+
+
+@pytest.mark.parametrize("fmt", ["vllm", "reference"])
+def test_heads_that_read_feature_layers_refuse_layouts_that_feed_the_last_hidden_state_only(tmp_path, fmt):
+    heads = MedusaHeads(HeadsConfig(HIDDEN, VOCAB, 3, 1, "shared", "tiny-llama", feature_layers=(1,)))
+    with pytest.raises(ValueError, match=fr"read the outputs of layers \[1\] beside the last hidden state; the {fmt}"):
+        formats.export(heads, tmp_path / "out", fmt, torch.nn.Linear(HIDDEN, VOCAB, bias=False))
+    assert not (tmp_path / "out").exists()

@@ -10,7 +10,7 @@ from conftest import FAMILIES, HIDDEN, VOCAB, tiny_model
 
 from medusa_decoding import MedusaModel
 from medusa_decoding.config import HeadsConfig
-from medusa_decoding.heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads
+from medusa_decoding.heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, run_backbone
 from medusa_decoding.tree import Tree
 
 CONFIG = HeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, num_layers=2, base_model="tiny")
@@ -76,21 +76,60 @@ def test_untrained_hydra_heads_give_the_base_logits_whatever_the_tokens(family, 
         heads(hidden, lm_head)
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_untrained_heads_with_feature_layers_give_the_base_logits(kind):
+    model = tiny_model("llama")
+    lm_head = model.get_output_embeddings()
+    heads = MedusaHeads(replace(CONFIG, kind=kind, feature_layers=(1,)), lm_head)
+    hidden, layer = torch.randn(5, HIDDEN), torch.randn(5, HIDDEN)
+    embeds = model.get_input_embeddings()(torch.randint(VOCAB, (5, 3))) if kind == "hydra" else None
+    with torch.no_grad():
+        first = heads.heads[0][0]
+        assert first.linear.in_features == (3 if kind == "hydra" else 2) * HIDDEN  # h, layer 1, (the root)
+        logits = heads(torch.cat([hidden, layer], -1), lm_head, embeds=embeds)
+        for k in range(3):
+            torch.testing.assert_close(logits[k], lm_head(hidden), rtol=1e-6, atol=1e-6)
+        with pytest.raises(ValueError, match=r"these heads read 2 states of 32 \(the last hidden state and feature "
+                                             r"layers \[1\]\), got 32 values"):
+            heads(hidden, lm_head, embeds=embeds)
+
+
+def test_feature_layers_are_read_from_the_backbone_rms_normalised(smollm):
+    """run_backbone's state: the last hidden state, then each feature layer's output over its RMS."""
+    ids = smollm.encode("Hello there")[None]
+    with torch.no_grad():
+        hidden, state = run_backbone(smollm.model, (8, 24), input_ids=ids)
+        out = smollm.model.base_model(input_ids=ids, output_hidden_states=True)
+    assert state.shape == (*hidden.shape[:-1], 3 * 576) and torch.equal(state[..., :576], hidden)
+    for i, layer in enumerate((8, 24), 1):
+        raw = out.hidden_states[layer]
+        torch.testing.assert_close(state[..., 576 * i: 576 * (i + 1)], raw / raw.pow(2).mean(-1, keepdim=True).sqrt(),
+                                   rtol=1e-4, atol=1e-5)
+    assert torch.equal(run_backbone(smollm.model, (), input_ids=ids)[1], hidden)
+
+
+@pytest.mark.parametrize("layers", [[0], [1, 1], ["8"], 8])
+def test_feature_layers_must_be_distinct_layer_numbers(layers):
+    with pytest.raises(ValueError, match="feature_layers must be distinct layer numbers >= 1"):
+        replace(CONFIG, feature_layers=layers)
+
+
 def test_shared_heads_need_the_lm_head():
     with pytest.raises(ValueError, match="pass lm_head"):
         MedusaHeads(CONFIG)(torch.zeros(HIDDEN))
 
 
-@pytest.mark.parametrize("projection, kind", [("shared", "medusa"), ("own", "medusa"), ("shared", "hydra")])
-def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind):
-    config = replace(CONFIG, projection=projection, kind=kind)
+@pytest.mark.parametrize("projection, kind, layers", [("shared", "medusa", ()), ("own", "medusa", ()),
+                                                     ("shared", "hydra", ()), ("shared", "hydra", (1,))])
+def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, layers):
+    config = replace(CONFIG, projection=projection, kind=kind, feature_layers=layers)
     heads = perturbed(MedusaHeads(config))
     heads.save_pretrained(tmp_path / "heads")
     assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
     saved = json.loads((tmp_path / "heads" / CONFIG_NAME).read_text())
     assert saved == {
         "base_model": "tiny", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 3, "num_layers": 2,
-        "projection": projection, "kind": kind,
+        "projection": projection, "kind": kind, "feature_layers": list(layers),
     }
     loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
     assert loaded.config == config
@@ -99,7 +138,7 @@ def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind):
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    hidden, embeds = torch.randn(2, HIDDEN), torch.randn(2, 3, HIDDEN)
+    hidden, embeds = torch.randn(2, (1 + len(layers)) * HIDDEN), torch.randn(2, 3, HIDDEN)
     with torch.no_grad():
         assert torch.equal(heads(hidden, lm_head, embeds=embeds), loaded(hidden, lm_head, embeds=embeds))
     assert MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype == torch.bfloat16
@@ -154,6 +193,7 @@ OWN, HYDRA = {"projection": "own"}, {"kind": "hydra"}
     (OWN, {**OWN, "vocab_size": 95}),  # shared heads hold no vocab-sized tensor: check_compatible's job
     ({}, HYDRA),  # a hydra head's first block reads more than h
     (HYDRA, {}),
+    ({}, {"feature_layers": [1]}),  # so does a head that reads a layer
 ])
 def test_config_that_does_not_match_the_weights(tmp_path, saved_as, written):
     MedusaHeads(replace(CONFIG, **saved_as)).save_pretrained(tmp_path)
@@ -169,6 +209,10 @@ def test_check_compatible_names_what_differs():
         heads.check_compatible(64, VOCAB, "other")
     with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*has hidden_size=32, vocab_size=100"):
         heads.check_compatible(HIDDEN, 100)
+    fused = MedusaHeads(replace(CONFIG, feature_layers=(1, 8)))
+    fused.check_compatible(HIDDEN, VOCAB, "other", num_layers=9)
+    with pytest.raises(ValueError, match=r"read the outputs of layers \[1, 8\], but other has 8 layers"):
+        fused.check_compatible(HIDDEN, VOCAB, "other", num_layers=8)
 
 
 def test_medusa_model_refuses_heads_of_another_model(smollm):
@@ -177,5 +221,7 @@ def test_medusa_model_refuses_heads_of_another_model(smollm):
     config = smollm.heads.config
     with pytest.raises(ValueError, match="vocab_size=49151"):
         MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, vocab_size=config.vocab_size - 1)))
+    with pytest.raises(ValueError, match=r"read the outputs of layers \[30\], but .* has 30 layers"):
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, feature_layers=(30,))))
     with pytest.raises(ValueError, match="depth 3 needs 3 heads, but only 2 exist"):
         MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)), Tree.from_spec([1, 1, 1]))

@@ -170,12 +170,12 @@ def test_heads_weight_ramps_along_a_sine_only_for_medusa2_without_init_heads():
     assert heads_weight(medusa2, 0, ramp=False) == 0.2
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind):
+@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("hydra", ()), ("hydra", (1,))])
+def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind, layers):
     model = model_for(tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recorder = Recorder()
-    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind})
+    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind, "feature_layers": layers})
     accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
     assert recorder.losses[-1] < 0.6 * recorder.losses[0]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -187,6 +187,7 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
     tokenizer.save_pretrained(tmp_path / "base")
     medusa = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "heads")
     assert medusa.heads.config.num_heads == 3 and medusa.heads.config.kind == kind
+    assert medusa.heads.config.feature_layers == layers
     assert medusa.generate("w1 w2 w3", max_new_tokens=8).token_ids == medusa.generate(
         "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
 
@@ -201,7 +202,7 @@ def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_or
     ids, mask = batch["input_ids"], batch["attention_mask"]
 
     def kl() -> float:
-        hidden = wrapper.hidden_states(ids, mask)
+        hidden = wrapper.hidden_states(ids, mask)[0]
         return wrapper.lm_loss(wrapper.causal_lm.get_output_embeddings(), hidden, ids, mask, batch["labels"]).item()
 
     assert kl() == 0.0  # LoRA B = 0: the student is the original
@@ -320,6 +321,27 @@ def test_medusa_heads_start_hydra_heads_with_the_same_logits(tokenizer, tmp_path
     hydra.save_pretrained(tmp_path / "hydra")
     with pytest.raises(ValueError, match="kind='hydra', but training asks for kind='medusa'"):
         make_heads(model, TrainConfig(num_heads=3), tmp_path / "hydra")
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_trained_heads_start_heads_that_read_a_layer_with_the_same_logits(tokenizer, tmp_path, kind):
+    model = model_for(tokenizer)
+    plain = make_heads(model, TrainConfig(num_heads=3, kind=kind), None)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.normal_()
+    plain.save_pretrained(tmp_path)
+    fused = make_heads(model, TrainConfig(num_heads=3, kind=kind, feature_layers=(1,)), tmp_path)
+    assert fused.config.feature_layers == (1,)
+    size = model.config.hidden_size
+    assert not fused.heads[2][0].linear.weight[:, size: 2 * size].any()  # the layer's columns start at zero
+    hidden, layer, lm_head = torch.randn(5, size), torch.randn(5, size), model.get_output_embeddings()
+    embeds = model.get_input_embeddings()(torch.randint(len(tokenizer), (5, 3))) if kind == "hydra" else None
+    with torch.no_grad():  # a wider product (zeros added in): the same values up to BLAS's choice of rounding
+        torch.testing.assert_close(fused(torch.cat([hidden, layer], -1), lm_head, embeds=embeds),
+                                   plain(hidden, lm_head, embeds=embeds), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"read the outputs of layers \[2\], but .* has 2 layers"):
+        make_heads(model, TrainConfig(num_heads=3, kind=kind, feature_layers=(2,)), tmp_path)
 
 
 @pytest.mark.parametrize("kind, projection", [("medusa", "shared"), ("medusa", "own"), ("hydra", "shared")])

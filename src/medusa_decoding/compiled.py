@@ -24,19 +24,22 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
+from .heads import run_backbone
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
 
 
 def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
-                 depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor):
+                 depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor,
+                 layers: tuple[int, ...]):
     """One verification step of fixed shape. tokens, depths, parents [B, T], attention, chains [B, T, T] (tree.padded),
-    lengths [B] -> logits [B, T, V], hidden [B, T, H] and greedy acceptance (accept_greedy)."""
+    lengths [B] -> logits [B, T, V], the heads' input states [B, T, (1 + L) H] (heads.run_backbone with the heads'
+    feature `layers`) and greedy acceptance (accept_greedy)."""
     mask = kv.step_mask(lengths, attention, cache.layers[0].capacity, model.dtype)
-    hidden = model.base_model(input_ids=tokens, past_key_values=cache, use_cache=True, attention_mask=mask,
-                              position_ids=lengths[:, None] + depths).last_hidden_state
+    hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True,
+                                 attention_mask=mask, position_ids=lengths[:, None] + depths)
     logits = model.get_output_embeddings()(hidden)
-    return logits, hidden, accept_greedy(tokens, logits.argmax(-1), depths, parents, attention, chains)
+    return logits, state, accept_greedy(tokens, logits.argmax(-1), depths, parents, attention, chains)
 
 
 def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
@@ -86,11 +89,13 @@ def path_mover(device_type: str):
 
 
 def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
-           padded: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
+           padded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...] = ()
+           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
     """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
-    -> (logits [B, T, V], hidden [B, T, H], each row's greedy (accepted path, next token))."""
+    -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H], each row's greedy (accepted path, next token))."""
     depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
-    logits, hidden, greedy = step_graph(model)(model, cache, tokens, lengths, depths, parents, attention, chains)
+    logits, hidden, greedy = step_graph(model)(model, cache, tokens, lengths, depths, parents, attention, chains,
+                                               layers)
     return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in greedy.tolist()]  # one read
 
 

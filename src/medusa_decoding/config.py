@@ -23,8 +23,12 @@ class HeadsConfig:
     projection: str = "shared"  # "shared": the base LM head; "own": one copied per head (published layout)
     base_model: str = ""
     kind: str = "medusa"  # "hydra": head k also sees the input embeddings of the k+1 tokens before its target
+    # the base model's layers whose outputs (RMS-normalised) the heads read beside the last hidden state, EAGLE-3's
+    # fused features; () reads the last hidden state alone, the published layout
+    feature_layers: tuple[int, ...] = ()
 
     def __post_init__(self):
+        object.__setattr__(self, "feature_layers", check_layers(self.feature_layers))
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.kind not in HEAD_KINDS:
@@ -32,6 +36,14 @@ class HeadsConfig:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+
+
+def check_layers(layers) -> tuple[int, ...]:
+    """feature_layers as a tuple of distinct positive layer numbers (config.json holds a list)."""
+    if not isinstance(layers, (list, tuple)) or not all(isinstance(i, int) and i >= 1 for i in layers) \
+            or len(set(layers)) != len(layers):
+        raise ValueError(f"feature_layers must be distinct layer numbers >= 1 (layer i's output), got {layers!r}")
+    return tuple(layers)
 
 
 @dataclass(frozen=True)
@@ -103,6 +115,7 @@ class TrainConfig:
     num_heads: int = HeadsConfig.num_heads
     num_layers: int = HeadsConfig.num_layers
     projection: str = HeadsConfig.projection
+    feature_layers: tuple[int, ...] = HeadsConfig.feature_layers
     epochs: float = 2.0
     max_steps: int = -1  # > 0 overrides epochs
     learning_rate: float = 1e-3  # the heads'; the LoRA backbone's is learning_rate / heads_lr_ratio
@@ -130,6 +143,7 @@ class TrainConfig:
     seed: int = 0
 
     def __post_init__(self):
+        object.__setattr__(self, "feature_layers", check_layers(self.feature_layers))
         choices = {"mode": TRAIN_MODES, "kind": HEAD_KINDS, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:

@@ -20,7 +20,7 @@ from . import compiled as engine
 from .acceptance import RULES, sample, target_probs
 from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
-from .heads import MedusaHeads
+from .heads import MedusaHeads, run_backbone
 from .kernels import guess_projection
 from .tree import Tree, build, node_index, padded
 
@@ -45,23 +45,26 @@ def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) 
         )
 
 
-def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = False, **kw
-            ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], last hidden states [B, T, H]); `last`: only the
-    last position's (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
-    hidden = model.base_model(input_ids=tokens, past_key_values=cache, use_cache=True, **kw).last_hidden_state
-    hidden = hidden[:, -1:] if last else hidden
-    return model.get_output_embeddings()(hidden), hidden
+def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = False, layers: tuple[int, ...] = (),
+            **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H]: the last
+    hidden states, and the outputs of the heads' feature `layers`: heads.run_backbone); `last`: only the last
+    position's (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
+    hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True, **kw)
+    hidden, state = (hidden[:, -1:], state[:, -1:]) if last else (hidden, state)
+    return model.get_output_embeddings()(hidden), state
 
 
 def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> int:
     return int(logits.argmax()) if config.temperature == 0 else sample(target_probs(logits, config), generator)
 
 
-def prefill(model, prompt: torch.Tensor, capacity: int) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and hidden [H] at the last position)."""
+def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
+            ) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and the heads' input state at the last
+    position)."""
     cache = kv.allocate(model, capacity)
-    logits, hidden = forward(model, prompt[None], cache, last=True)
+    logits, hidden = forward(model, prompt[None], cache, last=True, layers=layers)
     return cache, logits[0, -1], hidden[0, -1]
 
 
@@ -160,11 +163,11 @@ def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.
                         prefix_len + tree.num_nodes, dtype)
 
 
-def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int):
-    """One row's forward pass over all N+1 nodes -> logits [N+1, V], hidden [N+1, H]."""
+def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, layers: tuple[int, ...] = ()):
+    """One row's forward pass over all N+1 nodes -> logits [N+1, V], the heads' input states [N+1, (1 + L) H]."""
     positions = (prefix_len + tree.depths.to(tokens.device))[None]
     mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
-    logits, hidden = forward(model, tokens[None], cache, position_ids=positions, attention_mask=mask)
+    logits, hidden = forward(model, tokens[None], cache, position_ids=positions, attention_mask=mask, layers=layers)
     return logits[0], hidden[0]
 
 
@@ -205,6 +208,7 @@ class Batch:
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None, compiled: bool = False):
         self.model, self.heads, self.lm_head = model, heads, guess_projection(model)  # the guesses' projection
         self.embed = model.get_input_embeddings()  # what hydra heads read of the tokens before their guess
+        self.layers = heads.config.feature_layers if heads is not None else ()  # what they read of earlier layers
         self.compiled = compiled  # compiled.py's fixed-shape steps, else eager ones
         self.cache = kv.allocate(model, engine.CAPACITY if compiled else 0, whole=compiled)
         self.rows: list[Row] = []
@@ -219,7 +223,7 @@ class Batch:
             if tree.num_nodes > 1:
                 tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
         with torch.inference_mode():
-            cache, logits, hidden = prefill(self.model, prompt, prompt.shape[-1])
+            cache, logits, hidden = prefill(self.model, prompt, prompt.shape[-1], self.layers)
             root = first_token(logits, config, generator)
             row = Row(config, Guard(ladder, root), eos_ids, generator, root, hidden, prompt.shape[-1])
             if not row.done:
@@ -263,12 +267,12 @@ class Batch:
             kv.reserve(self.cache, len(rows), start + max(nodes, width))
             kv.place(self.cache, lengths, nodes)
             if self.compiled:  # greedy acceptance comes with the pass
-                logits, hidden, greedy = engine.verify(self.model, self.cache, tokens, lengths_t, trees)
+                logits, hidden, greedy = engine.verify(self.model, self.cache, tokens, lengths_t, trees, self.layers)
             else:
                 depths, attention = torch.stack([t[0] for t in trees]), torch.stack([t[2] for t in trees])
                 mask = kv.step_mask(lengths_t, attention, start + nodes, self.model.dtype)
                 logits, hidden = forward(self.model, tokens, self.cache, position_ids=lengths_t[:, None] + depths,
-                                         attention_mask=mask)
+                                         attention_mask=mask, layers=self.layers)
             accepted = [greedy[b] if self.compiled and row.config.temperature == 0
                         else RULES[row.config.rule](plan.tokens, logits[b, : plan.tree.num_nodes], plan.tree,
                                                     row.config, row.generator)

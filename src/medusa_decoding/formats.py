@@ -237,6 +237,10 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
                          f"{fmt} layout holds MEDUSA heads only (its engines feed a head the hidden state alone), so "
                          "they cannot be written in it. Keep the native layout (save_pretrained), or export MEDUSA "
                          "heads (the embedded default's: --heads src/medusa_decoding/assets/heads)")
+    if config.feature_layers:
+        raise ValueError(f"export: these heads read the outputs of layers {list(config.feature_layers)} beside the "
+                         f"last hidden state; the {fmt} layout's engines feed a head the last hidden state alone, so "
+                         "they cannot be written in it. Keep the native layout (save_pretrained)")
     state = {key.removeprefix(NATIVE_PREFIX): t.detach().contiguous() for key, t in heads.state_dict().items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)

@@ -7,6 +7,10 @@ A hydra head (Ankner et al. 2024, "sequentially-dependent draft heads") also see
 target: its first block reads `[h; e(x_t+1); ...; e(x_t+k+1)]`, the base model's input embeddings of the root token
 and of the candidates before its guess, and adds the result to h as MEDUSA's does. A MEDUSA head guesses t+k+2
 without knowing what comes before it; a hydra head's guess follows the path it extends (decoding.expand).
+
+Heads of either kind may also read earlier layers (`feature_layers`, EAGLE-3's fused features): their first block
+reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives the heads' input state
+`[h; f_l1; ...]`). Their columns start at zero too.
 """
 
 import json
@@ -14,6 +18,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
@@ -24,9 +29,21 @@ CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
 
+def run_backbone(model: nn.Module, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """model.base_model(**inputs) -> (its last hidden states [..., H], the heads' input state [..., (1 + L) H]: the
+    last hidden state, then the output of each of `layers` RMS-normalised (no weight); without layers, the last
+    hidden state itself). Training, calibration and decoding all read the heads' input through here."""
+    out = model.base_model(output_hidden_states=bool(layers), **inputs)
+    hidden = out.last_hidden_state
+    if not layers:
+        return hidden, hidden
+    return hidden, torch.cat([hidden, *(F.rms_norm(out.hidden_states[i], hidden.shape[-1:]) for i in layers)], -1)
+
+
 class ResBlock(nn.Module):
     """x + SiLU(Linear([x; context])), zero-initialised so that it starts as the identity. context: [..., C, H]
-    token embeddings read beside x (hydra's first block), C fixed at construction."""
+    read beside x (a first block's: fused layer features, then a hydra head's token embeddings), C fixed at
+    construction."""
 
     def __init__(self, hidden_size: int, context: int = 0):
         super().__init__()
@@ -52,9 +69,10 @@ class MedusaHeads(nn.Module):
         self.config = config
         own = config.projection == "own"
         hydra = config.kind == "hydra"
+        first = [len(config.feature_layers) + (k + 1 if hydra else 0) for k in range(config.num_heads)]  # contexts
         self.heads = nn.ModuleList(
             nn.Sequential(
-                *(ResBlock(config.hidden_size, k + 1 if hydra and layer == 0 else 0) for layer in range(config.num_layers)),
+                *(ResBlock(config.hidden_size, first[k] if layer == 0 else 0) for layer in range(config.num_layers)),
                 *([nn.Linear(config.hidden_size, config.vocab_size, bias=False)] if own else []),
             )
             for k in range(config.num_heads)
@@ -65,7 +83,8 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, num_heads: int | None = None,
                 embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
-        """hidden: [..., H] -> logits [K', ..., V] of heads first..num_heads-1 (default: all).
+        """hidden: [..., H], or the input state [..., (1 + L) H] of heads with L feature_layers (run_backbone) ->
+        logits [K', ..., V] of heads first..num_heads-1 (default: all).
 
         embeds: [..., D, H], hydra heads only: the input embeddings of the tokens after h's position (the root
         first; head k reads the first k+1). Shared heads go through the LM head in one call: its weight, a fifth of
@@ -73,10 +92,18 @@ class MedusaHeads(nn.Module):
         """
         if self.config.kind == "hydra" and embeds is None:
             raise ValueError("hydra heads read the tokens before their guess: pass embeds")
+        size, fused = self.config.hidden_size, len(self.config.feature_layers)
+        if hidden.shape[-1] != (1 + fused) * size:
+            raise ValueError(f"these heads read {1 + fused} states of {size} (the last hidden state and feature "
+                             f"layers {list(self.config.feature_layers)}), got {hidden.shape[-1]} values")
+        features = hidden[..., size:].unflatten(-1, (fused, size)) if fused else None
+        hidden = hidden[..., :size]
         states = []
         for k in range(first, self.config.num_heads if num_heads is None else num_heads):
             blocks = self.heads[k][: self.config.num_layers]
-            x = blocks[0](hidden, embeds[..., : k + 1, :] if self.config.kind == "hydra" else None)
+            context = [c for c in (features, embeds[..., : k + 1, :] if self.config.kind == "hydra" else None)
+                       if c is not None]
+            x = blocks[0](hidden, torch.cat(context, -2) if context else None)
             for block in blocks[1:]:
                 x = block(x)
             states.append(x)
@@ -135,8 +162,10 @@ class MedusaHeads(nn.Module):
         heads.load_state_dict(state)
         return heads.to(dtype) if dtype is not None else heads
 
-    def check_compatible(self, hidden_size: int, vocab_size: int, name: str = "the base model") -> None:
-        """Heads trained for another model must fail loudly, not decode garbage."""
+    def check_compatible(self, hidden_size: int, vocab_size: int, name: str = "the base model",
+                         num_layers: int | None = None) -> None:
+        """Heads trained for another model must fail loudly, not decode garbage. num_layers: the model's (its
+        last layer's output is the last hidden state, so feature layers lie below it)."""
         mine = (self.config.hidden_size, self.config.vocab_size)
         if mine != (hidden_size, vocab_size):
             raise ValueError(
@@ -144,6 +173,9 @@ class MedusaHeads(nn.Module):
                 f"(base model {self.config.base_model!r}), but {name} has hidden_size={hidden_size}, "
                 f"vocab_size={vocab_size}"
             )
+        if num_layers is not None and any(layer >= num_layers for layer in self.config.feature_layers):
+            raise ValueError(f"MEDUSA heads read the outputs of layers {list(self.config.feature_layers)}, but "
+                             f"{name} has {num_layers} layers (feature layers must lie below the last)")
 
 
 def read_native(directory: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:

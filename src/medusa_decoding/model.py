@@ -75,7 +75,8 @@ class MedusaModel:
         """tree: the one every step verifies, or a Ladder the guard picks from step by step (`--tree auto`);
         kernels: what runs the model (kernels.py); anything but "stock" changes `model` in place."""
         config = model.config.get_text_config()
-        heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path)
+        heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path,
+                               config.num_hidden_layers)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)

@@ -29,7 +29,7 @@ from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainingArgum
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import HeadsConfig, TrainConfig
-from ..heads import MedusaHeads
+from ..heads import MedusaHeads, run_backbone
 from ..model import ADAPTER_NAME, MERGED_NAME, load_base, untie_output_embeddings
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
 
@@ -60,7 +60,8 @@ def path_embeddings(heads: MedusaHeads, embed: nn.Module, input_ids: torch.Tenso
 
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
                embeds: torch.Tensor | None = None):
-    """hidden [B, T, H], labels [B, T] (embeds [B, T, K, H]: path_embeddings) -> (sum_k decay^k mean CE_k, hits
+    """hidden [B, T, (1 + L) H] (the heads' input states), labels [B, T] (embeds [B, T, K, H]: path_embeddings) ->
+    (sum_k decay^k mean CE_k, hits
     [B, K, 3]: top-1, top-5, targets; None while training, when nothing reads them).
 
     The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
@@ -125,22 +126,22 @@ class MedusaTrainingModel(nn.Module):
     def causal_lm(self) -> PreTrainedModel:
         return self.backbone.get_base_model() if self.adapted else self.backbone
 
-    def hidden_states(self, input_ids, attention_mask) -> torch.Tensor:
-        """[B, T] -> last hidden states [B, T, H]."""
-        out = self.causal_lm.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        return out.last_hidden_state
+    def hidden_states(self, input_ids, attention_mask) -> tuple[torch.Tensor, torch.Tensor]:
+        """[B, T] -> (last hidden states [B, T, H], the heads' input states [B, T, (1 + L) H]: heads.run_backbone)."""
+        return run_backbone(self.causal_lm, self.heads.config.feature_layers, input_ids=input_ids,
+                            attention_mask=attention_mask, use_cache=False)
 
     def forward(self, input_ids, attention_mask, labels, heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
         with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
-            hidden = self.hidden_states(input_ids, attention_mask)
+            hidden, state = self.hidden_states(input_ids, attention_mask)
         lm_head = self.causal_lm.get_output_embeddings()
         embeds = path_embeddings(self.heads, self.causal_lm.get_input_embeddings(), input_ids)
         if self.vocab is None:
-            loss, hits = heads_loss(self.heads, lm_head, hidden, labels, self.train_config.decay, embeds)
+            loss, hits = heads_loss(self.heads, lm_head, state, labels, self.train_config.decay, embeds)
         else:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
             place, rows = self.place.to(labels.device), lm_head.weight[self.vocab.to(labels.device)]
             guess_labels = labels.masked_scatter(labels != IGNORE_INDEX, place[labels[labels != IGNORE_INDEX]])
-            loss, hits = heads_loss(self.heads, partial(F.linear, weight=rows), hidden, guess_labels,
+            loss, hits = heads_loss(self.heads, partial(F.linear, weight=rows), state, guess_labels,
                                     self.train_config.decay, embeds)
         loss = heads_weight * loss
         if self.adapted:
@@ -156,7 +157,7 @@ class MedusaTrainingModel(nn.Module):
         if self.train_config.lm_loss == "ce":
             return F.cross_entropy(logits, targets[keep], reduction="sum") / count
         with torch.no_grad(), self.backbone.disable_adapter():
-            original = lm_head(self.hidden_states(input_ids, attention_mask)[keep]).float()
+            original = lm_head(self.hidden_states(input_ids, attention_mask)[0][keep]).float()
         kl = F.kl_div(logits.log_softmax(-1), original.log_softmax(-1), log_target=True, reduction="sum")
         return kl / count
 
@@ -244,24 +245,31 @@ def load_backbone(model: str | None, config: TrainConfig):
 def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Path | None) -> MedusaHeads:
     """Fresh heads (an untrained head repeats the base model), or trained ones to start from; fp32 to train.
     Trained MEDUSA heads start hydra heads too (`with_tokens`): they train only what the tokens add; trained heads
-    start deeper ones (`deepened`): they train only what the new blocks add."""
+    start deeper ones (`deepened`) and ones that read feature layers (`with_features`): they train only what the new
+    blocks and inputs add."""
     hidden_size = model.config.get_text_config().hidden_size
     lm_head = model.get_output_embeddings()
     vocab_size = lm_head.weight.shape[0]
     wanted = HeadsConfig(hidden_size, vocab_size, config.num_heads, config.num_layers, config.projection,
-                         model.name_or_path, config.kind)
+                         model.name_or_path, config.kind, config.feature_layers)
+    num_layers = model.config.get_text_config().num_hidden_layers
     if init_heads is None:
-        return MedusaHeads(wanted, lm_head).float()
+        heads = MedusaHeads(wanted, lm_head)
+        heads.check_compatible(hidden_size, vocab_size, model.name_or_path, num_layers)
+        return heads.float()
     heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
     heads.check_compatible(hidden_size, vocab_size, model.name_or_path)
     if (heads.config.kind, wanted.kind) == ("medusa", "hydra"):
         heads = with_tokens(heads)
     if heads.config.num_layers < wanted.num_layers:
         heads = deepened(heads, wanted.num_layers)
-    for name in ("kind", "num_heads", "num_layers", "projection"):
+    if not heads.config.feature_layers and wanted.feature_layers:
+        heads = with_features(heads, wanted.feature_layers)
+    for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers"):
         if getattr(heads.config, name) != getattr(wanted, name):
             raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
                              f"but training asks for {name}={getattr(wanted, name)!r}")
+    heads.check_compatible(hidden_size, vocab_size, model.name_or_path, num_layers)
     return heads.float()
 
 
@@ -275,6 +283,19 @@ def with_tokens(heads: MedusaHeads) -> MedusaHeads:
         state[name] = torch.cat([state[name], state[name].new_zeros(state[name].shape[0], (k + 1) * state[name].shape[1])], 1)
     hydra.load_state_dict(state)
     return hydra
+
+
+def with_features(heads: MedusaHeads, layers: tuple[int, ...]) -> MedusaHeads:
+    """Heads that read the outputs of `layers` too and give the same logits: each first block reads them, between h
+    and the tokens, through zero weights."""
+    fused = MedusaHeads(replace(heads.config, feature_layers=layers))
+    state, size = heads.state_dict(), heads.config.hidden_size
+    for k in range(heads.config.num_heads):
+        weight = state[f"heads.{k}.0.linear.weight"]
+        state[f"heads.{k}.0.linear.weight"] = torch.cat([weight[:, :size], weight.new_zeros(size, len(layers) * size),
+                                                         weight[:, size:]], 1)
+    fused.load_state_dict(state)
+    return fused
 
 
 def deepened(heads: MedusaHeads, num_layers: int) -> MedusaHeads:
