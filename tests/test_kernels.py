@@ -379,24 +379,27 @@ def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
 
 
 @needs_native
+@pytest.mark.parametrize("layers", [(), (1,)], ids=["h", "h+layer1"])  # the heads' input state, with feature layers
 @pytest.mark.parametrize("kernels_name", ["native", "q8"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kernels_name):
-    """Batch-invariant linears and attention: each node's logits and hidden state are bitwise those of its token in
-    plain one-token steps along its path, so greedy MEDUSA is plain decoding to the bit (q8's rounding included)."""
+def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kernels_name, layers):
+    """Batch-invariant linears and attention: each node's logits and hidden state (and feature layers) are bitwise
+    those of its token in plain one-token steps along its path, so greedy MEDUSA is plain decoding to the bit (q8's
+    rounding included)."""
     model = use_kernels(gguf_model(family), kernels_name)
     assert model.config._attn_implementation == INVARIANT_ATTENTION
     assert any(isinstance(m, Q8Linear) for m in model.modules()) == (kernels_name == "q8")
     tree = Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3
     with torch.inference_mode():
-        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
-        logits, hidden = verify(model, cache, tokens, tree, len(PROMPT))
+        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, layers)
+        logits, hidden = verify(model, cache, tokens, tree, len(PROMPT), layers)
         for leaf in tree.leaf_paths.tolist():
             path = [node for node in leaf if node >= 0]
-            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + len(path))
+            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + len(path), layers)
             for depth, node in enumerate(path):
-                one_logits, one_hidden = verify(model, cache, tokens[node : node + 1], PLAIN, len(PROMPT) + depth)
+                one_logits, one_hidden = verify(model, cache, tokens[node : node + 1], PLAIN, len(PROMPT) + depth,
+                                                layers)
                 assert torch.equal(one_logits[0], logits[node]) and torch.equal(one_hidden[0], hidden[node])
 
 

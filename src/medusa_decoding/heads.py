@@ -33,7 +33,7 @@ def run_backbone(model: nn.Module, layers: tuple[int, ...] = (), **inputs) -> tu
     """model.base_model(**inputs) -> (its last hidden states [..., H], the heads' input state [..., (1 + L) H]: the
     last hidden state, then the output of each of `layers` RMS-normalised (no weight); without layers, the last
     hidden state itself). Training, calibration and decoding all read the heads' input through here."""
-    out = model.base_model(output_hidden_states=bool(layers), **inputs)
+    out = model.base_model(**inputs, **({"output_hidden_states": True} if layers else {}))
     hidden = out.last_hidden_state
     if not layers:
         return hidden, hidden

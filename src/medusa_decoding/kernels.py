@@ -262,7 +262,8 @@ class Int8Linear(nn.Module):
 
 
 GROUPED_SDPA = "grouped_sdpa"
-PLAIN_ATTENTION_KWARGS = {"dropout", "scaling", "position_ids", "use_cache", "sliding_window", "cache_position"}
+PLAIN_ATTENTION_KWARGS = {"dropout", "scaling", "position_ids", "use_cache", "sliding_window", "cache_position",
+                          "output_hidden_states"}  # the last: passed down by models, unread by attention
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
