@@ -4,10 +4,9 @@ For each of stock (MKL), native (the project's batch-invariant few-row kernel, c
 Q4_1/Q8_0 blocks, with batch-invariant attention; the heads guess through an int8 copy of the LM head), q8 (the
 same blocks with 8-bit activations and integer dot products), native-float32 (the same kernel on the
 float32 weights, as before it read blocks), compiled (the compiled engine, native linears, the same int8 guesses),
-compiled-q8 (the compiled engine with q8 linears), int8 (torch.ao dynamic quantization), bf16 (the model in
-bfloat16: oneDNN AMX tiles where the CPU has them) and bf16-padded (native, but every linear of up to 128 rows in
-bfloat16 on oneDNN over blocks of 16 rows, the last zero-padded: one product shape whatever the step's size, so
-batch-invariant), the last three measured here and not offered by the library, side by side:
+compiled-q8 (the compiled engine with q8 linears), int8 (torch.ao dynamic quantization) and bf16 (the model in
+bfloat16: oneDNN AMX tiles where the CPU has them), the last two measured here and not offered by the library, side
+by side:
   - the median time of one full MEDUSA step (propose, verify, accept, commit) over 1..64 tokens after a
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
@@ -24,44 +23,18 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from medusa_decoding import GenerationConfig, MedusaModel
 from medusa_decoding.bench import read_questions
 from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
-from medusa_decoding.kernels import MAX_ROWS
 from medusa_decoding.tree import Tree
 
-KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "compiled-q8", "int8", "bf16", "bf16-padded")
+KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "compiled-q8", "int8", "bf16")
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
-PADDED_ROWS = 16  # bf16-padded's block: AMX tiles take 16 rows
-
-
-class PaddedBf16Linear(torch.nn.Linear):
-    """float32 in and out, bfloat16 on oneDNN inside, over blocks of PADDED_ROWS rows (the last zero-padded): a
-    token's output never depends on how many others the step has. Prefills (above MAX_ROWS rows) stay float32."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * x.shape[-1]:
-            return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1]).bfloat16()
-        blocks = [F.pad(block, (0, 0, 0, PADDED_ROWS - len(block))) for block in rows.split(PADDED_ROWS)]
-        out = torch.cat([torch.ops.mkldnn._linear_pointwise(block, self.packed, None, "none", [], "")
-                         for block in blocks])[: len(rows)].float()
-        out = out.view(*x.shape[:-1], out.shape[-1])
-        return out if self.bias is None else out + self.bias
-
-
-def padded_bf16(model: torch.nn.Module) -> None:
-    """Switches the model's linears (not the heads', not the guesses' int8 copy) to PaddedBf16Linear, in place."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear):
-            module.__class__ = PaddedBf16Linear
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(module.weight.detach().bfloat16(), PADDED_ROWS)
 
 
 def main() -> None:
@@ -80,9 +53,6 @@ def main() -> None:
         for module in models["native-float32"].model.modules():
             if hasattr(module, "codes"):  # no GGUF blocks: the kernel reads the float32 weights
                 del module.codes, module.scales
-    if "bf16-padded" in kernels:  # lossy, batch-invariant
-        models["bf16-padded"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
-        padded_bf16(models["bf16-padded"].model)
     if "int8" in kernels:  # not offered by the library: lossy
         int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(base.model), {torch.nn.Linear}, dtype=torch.qint8)
         models["int8"] = MedusaModel(int8, base.tokenizer, base.heads, base.tree)
