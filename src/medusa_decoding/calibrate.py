@@ -193,8 +193,9 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
 def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time: (the heads' input
-    state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target, targets [K, n] (token t+k+2, IGNORE_INDEX past the answer),
-    what hydra heads read of the true tokens after t [n, K, H] (else None), roots [n]: token t+1)."""
+    state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target, targets [K, n]
+    (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t [n, K, H] (else
+    None), roots [n]: token t+1)."""
     from .training.data import IGNORE_INDEX, build_examples, collate
     from .training.train import HEAD_OFFSET, future_labels, path_embeddings
 
