@@ -61,8 +61,7 @@ def path_embeddings(heads: MedusaHeads, embed: nn.Module, input_ids: torch.Tenso
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
                embeds: torch.Tensor | None = None):
     """hidden [B, T, (1 + L) H] (the heads' input states), labels [B, T] (embeds [B, T, K, H]: path_embeddings) ->
-    (sum_k decay^k mean CE_k, hits
-    [B, K, 3]: top-1, top-5, targets; None while training, when nothing reads them).
+    (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets; None while training, when nothing reads them).
 
     The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
     positions at a time, their logits recomputed in the backward pass: K x N x V logits at once cost gigabytes
@@ -255,21 +254,20 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
     num_layers = model.config.get_text_config().num_hidden_layers
     if init_heads is None:
         heads = MedusaHeads(wanted, lm_head)
-        heads.check_compatible(hidden_size, vocab_size, model.name_or_path, num_layers)
-        return heads.float()
-    heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
-    heads.check_compatible(hidden_size, vocab_size, model.name_or_path)
-    if (heads.config.kind, wanted.kind) == ("medusa", "hydra"):
-        heads = with_tokens(heads)
-    if heads.config.num_layers < wanted.num_layers:
-        heads = deepened(heads, wanted.num_layers)
-    if not heads.config.feature_layers and wanted.feature_layers:
-        heads = with_features(heads, wanted.feature_layers)
-    for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers"):
-        if getattr(heads.config, name) != getattr(wanted, name):
-            raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
-                             f"but training asks for {name}={getattr(wanted, name)!r}")
-    heads.check_compatible(hidden_size, vocab_size, model.name_or_path, num_layers)
+    else:
+        heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
+        heads.check_compatible(hidden_size, vocab_size, model.name_or_path)  # another model's: say so first
+        if (heads.config.kind, wanted.kind) == ("medusa", "hydra"):
+            heads = with_tokens(heads)
+        if heads.config.num_layers < wanted.num_layers:
+            heads = deepened(heads, wanted.num_layers)
+        if not heads.config.feature_layers and wanted.feature_layers:
+            heads = with_features(heads, wanted.feature_layers)
+        for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers"):
+            if getattr(heads.config, name) != getattr(wanted, name):
+                raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
+                                 f"but training asks for {name}={getattr(wanted, name)!r}")
+    heads.check_compatible(hidden_size, vocab_size, model.name_or_path, num_layers)  # feature layers within the model
     return heads.float()
 
 
