@@ -18,8 +18,8 @@ from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
 from medusa_decoding.training import train as train_module
 from medusa_decoding.training.train import (
-    MedusaTrainingModel, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
-    path_embeddings, prepare_backbone, train,
+    AnswerStates, MedusaTrainingModel, at_answers, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
+    prepare_backbone, train,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,11 +89,13 @@ def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
             for t in range(length):
                 if 0 <= t + k + 2 + shift < length:
                     head[-1].weight[tokens[t + k + 2 + shift], t] = 30.0
+    state, targets, _, rows = at_answers(torch.eye(length)[None], torch.tensor([tokens]), labels, num_heads=3)
+    assert rows.tolist() == [0] * 5  # t=0..4 have a target
     with torch.no_grad():
-        loss, hits = heads_loss(heads, None, torch.eye(length)[None], labels, decay=0.8)
+        loss, hits = heads_loss(heads, None, state, targets, decay=0.8)
     # targets by hand: head 0 at t=1..4 (x3..x6), head 1 at t=0..3, head 2 at t=0..2
-    assert hits[0, :, 2].tolist() == [4, 4, 3]
-    assert hits[0, :, 0].tolist() == ([4, 4, 3] if hit else [0, 0, 0])
+    assert hits.sum(0)[:, 2].tolist() == [4, 4, 3]
+    assert hits.sum(0)[:, 0].tolist() == ([4, 4, 3] if hit else [0, 0, 0])
     assert (loss < 1e-6) if hit else (loss > 10)
 
 
@@ -114,13 +116,12 @@ def test_hydra_head_k_reads_the_tokens_t_plus_1_to_t_plus_k_plus_1(shift, hit):
             column = (k + 1 + shift) * vocab  # [h; e(x[t+1]); ...; e(x[t+k+1])]: the block of x[t+k+1+shift]
             head[0].linear.weight[:, column : column + vocab] = 10 * torch.eye(vocab)
             head[-1].weight.copy_(30 * torch.eye(vocab).roll(1, 0))  # a -> a + 1
-        embeds = path_embeddings(heads, embed, tokens)
-        assert embeds.shape == (1, 9, 3, vocab)
-        loss, hits = heads_loss(heads, None, torch.zeros(1, 9, vocab), labels, decay=0.8, embeds=embeds)
-    assert hits[0, :, 2].tolist() == [6, 6, 5]  # targets: x[t+k+2] among x3..x8
-    assert hits[0, :, 0].tolist() == ([6, 6, 5] if hit else [0, 0, 0])
+        state, targets, path, _ = at_answers(torch.zeros(1, 9, vocab), tokens, labels, num_heads=3)
+        assert path.tolist()[0] == [4, 5, 6] and path.tolist()[-1] == [10, 11, 11]  # t=0..6; past the end: the last
+        loss, hits = heads_loss(heads, None, state, targets, decay=0.8, embeds=embed(path))
+    assert hits.sum(0)[:, 2].tolist() == [6, 6, 5]  # targets: x[t+k+2] among x3..x8
+    assert hits.sum(0)[:, 0].tolist() == ([6, 6, 5] if hit else [0, 0, 0])
     assert (loss < 1e-6) if hit else (loss > 10)
-    assert path_embeddings(MedusaHeads(HeadsConfig(vocab, vocab)), embed, tokens) is None
 
 
 def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
@@ -138,10 +139,12 @@ def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
                                                                 ignore_index=I) for k in range(3))
     top1 = torch.stack([((logits[k].argmax(-1) == targets[k]) & (targets[k] != I)).sum(-1) for k in range(3)], 1)
     monkeypatch.setattr(train_module, "LOSS_CHUNK", 4)
-    loss, none = heads_loss(heads, None, hidden, labels, decay=0.8)
+    state, chosen, _, rows = at_answers(hidden, labels.clamp(min=0), labels, num_heads=3)
+    loss, none = heads_loss(heads, None, state, chosen, decay=0.8)
     assert none is None  # training reads no hits
     with torch.no_grad():
-        evaluated, hits = heads_loss(heads, None, hidden, labels, decay=0.8)
+        evaluated, hits = heads_loss(heads, None, state, chosen, decay=0.8)
+    hits = hits.new_zeros(2, 3, 3).index_add_(0, rows, hits)  # per conversation
     torch.testing.assert_close(evaluated, at_once.detach())
     for chunked, whole in zip(torch.autograd.grad(loss, list(heads.parameters())),
                               torch.autograd.grad(at_once, list(heads.parameters()))):
@@ -170,12 +173,14 @@ def test_heads_weight_ramps_along_a_sine_only_for_medusa2_without_init_heads():
     assert heads_weight(medusa2, 0, ramp=False) == 0.2
 
 
-@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("hydra", ()), ("hydra", (1,))])
-def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind, layers):
+@pytest.mark.parametrize("kind, layers, positions", [("medusa", (), 0), ("hydra", (), 0), ("hydra", (1,), 0),
+                                                     ("hydra", (), 16)])
+def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind, layers, positions):
     model = model_for(tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recorder = Recorder()
-    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind, "feature_layers": layers})
+    config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind, "feature_layers": layers,
+                            "position_batch": positions})
     accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
     assert recorder.losses[-1] < 0.6 * recorder.losses[0]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -190,6 +195,31 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
     assert medusa.heads.config.feature_layers == layers
     assert medusa.generate("w1 w2 w3", max_new_tokens=8).token_ids == medusa.generate(
         "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
+
+
+@pytest.mark.parametrize("kind, layers, vocab", [("medusa", (), None), ("hydra", (1,), torch.tensor([3, 9, 4, 20]))])
+def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, kind, layers, vocab):
+    """AnswerStates hold exactly what training reads of a batch of conversations: forward on all of its positions
+    gives the same loss and hits, with or without a guess vocabulary."""
+    model = model_for(tokenizer)
+    config = TrainConfig(num_heads=3, kind=kind, feature_layers=layers, projection="shared",
+                         guess_vocab=0 if vocab is None else len(vocab))
+    heads = make_heads(model, config, None)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab).eval()
+    examples = build_examples(tokenizer, counting(6), 64)
+    states = AnswerStates(model, heads.config, examples, pad_id=0, batch_size=len(examples), what="a test")
+    # one answer each: some head's target lies in it from K+1 positions before it to 2 before its end
+    assert len(states) == sum(sum(label != I for label in e["labels"]) + 3 - 1 for e in examples)
+    cached = {k: torch.stack([states[i][k] for i in range(len(states))]) for k in ("state", "targets", "path")}
+    with torch.no_grad():
+        whole = wrapper(**collate(examples, pad_id=0))
+        positions = wrapper(**cached)
+    torch.testing.assert_close(positions["loss"], whole["loss"])
+    assert torch.equal(positions["head_hits"].sum(0), whole["head_hits"].sum(0))
+    assert whole["head_hits"][..., 0].sum() > 0  # random heads, some hits: the comparison has teeth
 
 
 def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_original(tokenizer):
@@ -259,8 +289,10 @@ def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, t
     assert torch.equal(medusa.model.get_input_embeddings().weight, original.get_input_embeddings().weight)
 
 
-def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path):
-    config = TrainConfig(**{**CONFIG.__dict__, "mode": "medusa2", "max_steps": 6, "save_steps": 2, "eval_fraction": 0.0})
+@pytest.mark.parametrize("mode, positions", [("medusa2", 0), ("medusa1", 32)])
+def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path, mode, positions):
+    config = TrainConfig(**{**CONFIG.__dict__, "mode": mode, "max_steps": 6, "save_steps": 2, "eval_fraction": 0.0,
+                            "position_batch": positions})
     data = counting(20)  # 5 steps an epoch: the run crosses an epoch boundary
     train(model_for(tokenizer), tokenizer, data, tmp_path / "whole", config)
     with pytest.raises(KeyboardInterrupt):
@@ -270,7 +302,7 @@ def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path)
     partial.mkdir()
     (partial / "model.safetensors").write_bytes(b"\0" * 100)
     train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config, resume=True)
-    for name in ("model.safetensors", "adapter/adapter_model.safetensors"):
+    for name in ("model.safetensors", "adapter/adapter_model.safetensors")[: 2 if mode == "medusa2" else 1]:
         whole, resumed = load_file(tmp_path / "whole" / name), load_file(tmp_path / "killed" / name)
         assert whole.keys() == resumed.keys()
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), name
@@ -387,6 +419,10 @@ def test_errors(tokenizer, tmp_path, monkeypatch):
         train(model_for(tokenizer), tokenizer, counting(4), tmp_path / "m1", CONFIG, merge=True)
     with pytest.raises(ValueError, match="mode"):
         TrainConfig(mode="medusa3")
+    with pytest.raises(ValueError, match="position_batch caches a frozen backbone"):
+        TrainConfig(mode="medusa2", position_batch=256)
+    with pytest.raises(ValueError, match="position_batch must be"):
+        TrainConfig(position_batch=-1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="CUDA GPU"):
         load_backbone(None, TrainConfig(quantize="4bit"))

@@ -192,26 +192,19 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
 @torch.inference_mode()
 def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
-    """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time: (the heads' input
-    state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target, targets [K, n]
-    (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t [n, K, H] (else
-    None), roots [n]: token t+1)."""
-    from .training.data import IGNORE_INDEX, build_examples, collate
-    from .training.train import HEAD_OFFSET, future_labels, path_embeddings
+    """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time, as training reads
+    them: (the heads' input state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target,
+    targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t
+    [n, K, H] (else None), roots [n]: token t+1)."""
+    from .training import train
+    from .training.data import build_examples
 
     model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
     examples = build_examples(tokenizer, conversations, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for start in range(0, len(examples), config.batch_size):
-        batch = collate(examples[start: start + config.batch_size], pad_id)
-        batch = {name: tensor.to(model.device) for name, tensor in batch.items()}
-        _, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
-                                attention_mask=batch["attention_mask"])
-        targets = torch.stack([future_labels(batch["labels"], k + HEAD_OFFSET) for k in range(heads.config.num_heads)])
-        keep = (targets != IGNORE_INDEX).any(0)  # targets [K, B, T] -> keep [B, T]
-        embeds = path_embeddings(heads, model.get_input_embeddings(), batch["input_ids"])
-        roots = future_labels(batch["input_ids"], 1)
-        yield state[keep], targets[:, keep], None if embeds is None else embeds[keep], roots[keep]
+    for state, targets, path in train.answer_positions(model, heads.config, examples, pad_id, config.batch_size):
+        embeds = model.get_input_embeddings()(path) if heads.config.kind == "hydra" else None
+        yield state, targets, embeds, path[:, 0]
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:

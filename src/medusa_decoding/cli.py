@@ -368,6 +368,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--guess-vocab", type=int, default=TRAIN.guess_vocab,
         help="medusa1, shared projection: rank the N tokens the answers use most in the heads' loss (0: all; 4096 "
              "makes a CPU step ~2.5x faster)")
+    add("--position-batch", type=int, default=TRAIN.position_batch, metavar="N",
+        help="medusa1: compute the frozen backbone's states at the answer positions once, then train on shuffled "
+             "batches of N positions (e.g. 256: many more updates per hour than batches of conversations)")
     add("--quantize", choices=QUANTIZATIONS, default=TRAIN.quantize, help="medusa1: frozen backbone in 8/4 bit (GPU)")
     add("--bf16", action="store_true", help="backbone in bfloat16, mixed-precision training")
     add("--eval-fraction", type=float, default=TRAIN.eval_fraction, help="held out for per-head accuracy")

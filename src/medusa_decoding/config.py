@@ -135,6 +135,9 @@ class TrainConfig:
     # MEDUSA-1, shared projection: the heads' loss ranks the N tokens the training answers use most (0: all), as they
     # guess on a CPU (calibrate's guess_vocab): the projection onto 49k tokens is most of a CPU step
     guess_vocab: int = 0
+    # MEDUSA-1: > 0 computes the frozen backbone's states at the answer positions once (batch_size conversations at a
+    # time) and trains on shuffled batches of this many positions; 0 trains on batches of batch_size conversations
+    position_batch: int = 0
     bf16: bool = False
     eval_fraction: float = 0.05
     save_steps: int = 200  # checkpoint (and evaluate) every this many optimizer steps
@@ -165,6 +168,12 @@ class TrainConfig:
                              f"projection {self.projection!r}")
         if not isinstance(self.guess_vocab, int) or self.guess_vocab < 0:
             raise ValueError(f"guess_vocab must be 0 (all) or a positive integer, got {self.guess_vocab!r}")
+        if not isinstance(self.position_batch, int) or self.position_batch < 0:
+            raise ValueError(f"position_batch must be 0 (batches of conversations) or a positive integer, "
+                             f"got {self.position_batch!r}")
+        if self.position_batch and self.mode != "medusa1":
+            raise ValueError(f"position_batch caches a frozen backbone's states: it is for mode 'medusa1', got "
+                             f"mode {self.mode!r}")
         if self.quantize and self.mode != "medusa1":
             raise ValueError(f"quantize is for mode 'medusa1' (frozen backbone), got mode {self.mode!r}")
 

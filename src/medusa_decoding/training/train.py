@@ -11,12 +11,17 @@ which predicts token t+k+2. Losses count only targets that are assistant tokens:
 
 The losses are computed in the training model's forward, so that DDP/FSDP/DeepSpeed see one forward
 pass; `MedusaTrainer.compute_loss` sets lambda, `create_optimizer` gives the heads their learning rate.
+
+MEDUSA-1 trains on batches of conversations, or (position_batch) on batches of answer positions whose states the
+frozen backbone computed once (AnswerStates): the same loss, with the backbone's cost paid once instead of every
+epoch, and many more updates an epoch.
 """
 
 import importlib.util
 import itertools
 import json
 import math
+from collections.abc import Iterator
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -47,47 +52,88 @@ def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
 
 
-def path_embeddings(heads: MedusaHeads, embed: nn.Module, input_ids: torch.Tensor) -> torch.Tensor | None:
-    """What hydra heads read of the tokens after each position t, teacher-forced: [B, T, K, H], the input
-    embeddings of tokens t+1..t+K (head k reads the first k+1; past the end the last token's, where no head has a
-    target). None for MEDUSA heads."""
-    if heads.config.kind != "hydra":
-        return None
+def head_targets(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """labels [B, T] -> [K, B, T]: head k's target at each position t, the label of token t+k+2."""
+    return torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])
+
+
+def path_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What hydra heads read of the tokens after each position t, teacher-forced: input_ids [B, T] -> [B, T, K], tokens
+    t+1..t+K (head k reads the first k+1; past the end the last token, where no head has a target)."""
     last = input_ids[:, -1:]
-    ahead = [torch.cat([input_ids[:, j:], last.expand(-1, j)], dim=1) for j in range(1, heads.config.num_heads + 1)]
-    return embed(torch.stack(ahead, dim=-1))
+    return torch.stack([torch.cat([input_ids[:, j:], last.expand(-1, j)], dim=1) for j in range(1, num_heads + 1)], -1)
 
 
-def heads_loss(heads: MedusaHeads, lm_head: nn.Module, hidden: torch.Tensor, labels: torch.Tensor, decay: float,
+def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int):
+    """The positions where some head has a target, out of a batch of conversations: state [B, T, S], input_ids and
+    labels [B, T] -> (state [n, S], targets [K, n], path [n, K]: path_tokens, rows [n]: each position's example).
+    Only these positions are trained on, so prompts and padding cost the heads nothing."""
+    targets = head_targets(labels, num_heads)
+    keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
+    return state[keep], targets[:, keep], path_tokens(input_ids, num_heads)[keep], keep.nonzero()[:, 0]
+
+
+@torch.no_grad()
+def answer_positions(model: PreTrainedModel, config: HeadsConfig, examples: list[dict], pad_id: int,
+                     batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The frozen model's answer positions in `examples`, teacher-forced, a batch of examples at a time: (the heads'
+    input state [n, S] (heads.run_backbone), targets [K, n], path [n, K]), as at_answers gives them. Calibration and
+    AnswerStates read the heads' inputs through here."""
+    for start in range(0, len(examples), batch_size):
+        batch = {k: v.to(model.device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
+        _, state = run_backbone(model, config.feature_layers, input_ids=batch["input_ids"],
+                                attention_mask=batch["attention_mask"])
+        yield at_answers(state, batch["input_ids"], batch["labels"], config.num_heads)[:3]
+
+
+class AnswerStates(torch.utils.data.Dataset):
+    """MEDUSA-1 with position_batch: the frozen backbone's states at every answer position, computed once (each epoch
+    would compute the same ones again), so that a batch is positions drawn from many conversations. The heads then
+    get many more updates per hour: benchmarks/feature_probe.py showed head 0 held back by its number of updates.
+    Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K)."""
+
+    def __init__(self, model: PreTrainedModel, config: HeadsConfig, examples: list[dict], pad_id: int,
+                 batch_size: int, what: str):
+        from tqdm.auto import tqdm
+
+        batches = tqdm(answer_positions(model, config, examples, pad_id, batch_size), desc=f"states of {what}",
+                       total=math.ceil(len(examples) / batch_size), unit="batch")
+        states, targets, paths = zip(*((s.cpu(), t.cpu(), p.cpu()) for s, t, p in batches))
+        self.state, self.targets, self.path = torch.cat(states), torch.cat(targets, 1).T.contiguous(), torch.cat(paths)
+
+    def __len__(self) -> int:
+        return len(self.state)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"state": self.state[i], "targets": self.targets[i], "path": self.path[i]}
+
+
+def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targets: torch.Tensor, decay: float,
                embeds: torch.Tensor | None = None):
-    """hidden [B, T, (1 + L) H] (the heads' input states), labels [B, T] (embeds [B, T, K, H]: path_embeddings) ->
-    (sum_k decay^k mean CE_k, hits [B, K, 3]: top-1, top-5, targets; None while training, when nothing reads them).
+    """state [N, S] (the heads' input states), targets [K, N] (embeds [N, K, H]: hydra heads' path) ->
+    (sum_k decay^k mean CE_k, hits [N, K, 3]: top-1, top-5, has a target; None while training, when nothing reads
+    them).
 
-    The heads run only where some head has a target, so prompts and padding cost nothing, and on a chunk of
-    positions at a time, their logits recomputed in the backward pass: K x N x V logits at once cost gigabytes
-    (an out-of-memory kill at 24 GiB), and on a CPU most of a step went to faulting that memory in.
+    The heads run on a chunk of positions at a time, their logits recomputed in the backward pass: K x N x V logits
+    at once cost gigabytes (an out-of-memory kill at 24 GiB), and on a CPU most of a step went to faulting that
+    memory in.
     """
     num_heads = heads.config.num_heads
-    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
-    keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
-    targets = targets[:, keep]  # [K, N]
-    weights = decay ** torch.arange(num_heads, device=hidden.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
-    paths = itertools.repeat(None) if embeds is None else embeds[keep].split(LOSS_CHUNK)
-    chunks = list(zip(hidden[keep].split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), paths))
-    loss = hidden.new_zeros((), dtype=torch.float32)
+    weights = decay ** torch.arange(num_heads, device=state.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
+    paths = itertools.repeat(None) if embeds is None else embeds.split(LOSS_CHUNK)
+    chunks = list(zip(state.split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), paths))
+    loss = state.new_zeros((), dtype=torch.float32)
     if torch.is_grad_enabled():
-        def chunk_loss(chunk_hidden, chunk_targets, chunk_embeds):
-            return weighted_ce(heads(chunk_hidden, lm_head, embeds=chunk_embeds), chunk_targets, weights)
+        def chunk_loss(chunk_state, chunk_targets, chunk_embeds):
+            return weighted_ce(heads(chunk_state, lm_head, embeds=chunk_embeds), chunk_targets, weights)
 
         return loss + sum(checkpoint(chunk_loss, *chunk, use_reentrant=False) for chunk in chunks), None
     hits = [targets.new_zeros(num_heads, 0, 3)]  # [K, n, 3] per chunk, joined once
-    for chunk_hidden, chunk_targets, chunk_embeds in chunks:
-        logits = heads(chunk_hidden, lm_head, embeds=chunk_embeds)
+    for chunk_state, chunk_targets, chunk_embeds in chunks:
+        logits = heads(chunk_state, lm_head, embeds=chunk_embeds)
         loss = loss + weighted_ce(logits, chunk_targets, weights)
         hits.append(head_hits(logits, chunk_targets))
-    hits = torch.cat(hits, 1)  # [K, N, 3]
-    rows = keep.nonzero()[:, 0]  # [N]: the example each position belongs to
-    return loss, hits.new_zeros(labels.shape[0], num_heads, 3).index_add_(0, rows, hits.transpose(0, 1))
+    return loss, torch.cat(hits, 1).transpose(0, 1)
 
 
 def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -130,21 +176,31 @@ class MedusaTrainingModel(nn.Module):
         return run_backbone(self.causal_lm, self.heads.config.feature_layers, input_ids=input_ids,
                             attention_mask=attention_mask, use_cache=False)
 
-    def forward(self, input_ids, attention_mask, labels, heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
-        with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
-            hidden, state = self.hidden_states(input_ids, attention_mask)
+    def forward(self, input_ids=None, attention_mask=None, labels=None, state=None, targets=None, path=None,
+                heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
+        """A batch of conversations (input_ids, attention_mask, labels [B, T]) or of answer positions whose states are
+        cached (state [N, S], targets [N, K], path [N, K]: AnswerStates) -> the loss, and hits when evaluating: [B, K,
+        3] per conversation, [N, K, 3] per position."""
+        num_heads = self.heads.config.num_heads
+        if state is None:
+            with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
+                hidden, states = self.hidden_states(input_ids, attention_mask)
+            state, targets, path, rows = at_answers(states, input_ids, labels, num_heads)
+        else:
+            targets = targets.T
         lm_head = self.causal_lm.get_output_embeddings()
-        embeds = path_embeddings(self.heads, self.causal_lm.get_input_embeddings(), input_ids)
-        if self.vocab is None:
-            loss, hits = heads_loss(self.heads, lm_head, state, labels, self.train_config.decay, embeds)
-        else:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
-            place, rows = self.place.to(labels.device), lm_head.weight[self.vocab.to(labels.device)]
-            guess_labels = labels.masked_scatter(labels != IGNORE_INDEX, place[labels[labels != IGNORE_INDEX]])
-            loss, hits = heads_loss(self.heads, partial(F.linear, weight=rows), state, guess_labels,
-                                    self.train_config.decay, embeds)
+        embeds = self.causal_lm.get_input_embeddings()(path) if self.heads.config.kind == "hydra" else None
+        projection = lm_head
+        if self.vocab is not None:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
+            projection = partial(F.linear, weight=lm_head.weight[self.vocab.to(targets.device)])
+            place = self.place.to(targets.device)[targets.clamp(min=0)]
+            targets = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, place)
+        loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds)
         loss = heads_weight * loss
         if self.adapted:
             loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
+        if hits is not None and input_ids is not None:  # per conversation
+            hits = hits.new_zeros(len(input_ids), num_heads, 3).index_add_(0, rows, hits)
         return {"loss": loss} if hits is None else {"loss": loss, "head_hits": hits}
 
     def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
@@ -328,9 +384,10 @@ def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> Tra
         output_dir=str(output / CHECKPOINTS),
         num_train_epochs=config.epochs,
         max_steps=config.max_steps,
-        per_device_train_batch_size=config.batch_size,
-        per_device_eval_batch_size=config.batch_size,
-        train_sampling_strategy="group_by_length",  # batches of similar lengths: padding was 60% of the tokens
+        per_device_train_batch_size=config.position_batch or config.batch_size,
+        per_device_eval_batch_size=config.position_batch or config.batch_size,
+        # batches of conversations of similar lengths: padding was 60% of the tokens
+        train_sampling_strategy="random" if config.position_batch else "group_by_length",
         gradient_accumulation_steps=config.gradient_accumulation_steps,
         learning_rate=config.learning_rate,
         weight_decay=0.0,
@@ -348,7 +405,7 @@ def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> Tra
         data_seed=config.seed,
         report_to="none",
         remove_unused_columns=False,
-        label_names=["labels"],
+        label_names=["targets" if config.position_batch else "labels"],
         dataloader_pin_memory=torch.cuda.is_available(),
     )
 
@@ -388,12 +445,17 @@ def train(
     vocab = answer_vocab(train_set, heads.config.vocab_size, config.guess_vocab) if config.guess_vocab else None
     wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab)
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
+    train_data, eval_data, collator = train_set, eval_set or None, partial(collate, pad_id=pad_id)
+    if config.position_batch:
+        states = partial(AnswerStates, model, heads.config, pad_id=pad_id, batch_size=config.batch_size)
+        train_data, collator = states(train_set, what="the training conversations"), None
+        eval_data = states(eval_set, what="the held-out conversations") if eval_set else None
     trainer = MedusaTrainer(
         model=wrapper,
         args=training_arguments(output, config, evaluate=bool(eval_set)),
-        data_collator=partial(collate, pad_id=pad_id),
-        train_dataset=train_set,
-        eval_dataset=eval_set or None,
+        data_collator=collator,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
         compute_metrics=partial(head_metrics, num_heads=heads.config.num_heads),
         callbacks=list(callbacks),
         medusa=config,
