@@ -52,11 +52,6 @@ def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
     return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
 
 
-def head_targets(labels: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """labels [B, T] -> [K, B, T]: head k's target at each position t, the label of token t+k+2."""
-    return torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])
-
-
 def path_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
     """What hydra heads read of the tokens after each position t, teacher-forced: input_ids [B, T] -> [B, T, K], tokens
     t+1..t+K (head k reads the first k+1; past the end the last token, where no head has a target)."""
@@ -68,7 +63,7 @@ def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tenso
     """The positions where some head has a target, out of a batch of conversations: state [B, T, S], input_ids and
     labels [B, T] -> (state [n, S], targets [K, n], path [n, K]: path_tokens, rows [n]: each position's example).
     Only these positions are trained on, so prompts and padding cost the heads nothing."""
-    targets = head_targets(labels, num_heads)
+    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
     keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
     return state[keep], targets[:, keep], path_tokens(input_ids, num_heads)[keep], keep.nonzero()[:, 0]
 
