@@ -30,7 +30,6 @@ from .config import CalibrateConfig, GenerationConfig
 from .decoding import Batch, context_limit, propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, yields
-from .heads import run_backbone
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
