@@ -20,29 +20,31 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from medusa_decoding.config import HeadsConfig
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.model import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations
+from medusa_decoding.training.train import answer_positions
 
 BATCH = 256
 
 
-@torch.no_grad()
 def features(model, tokenizer, files: list[str], layers: list[int]) -> dict[str, torch.Tensor]:
     """At every position t whose token t+2 is an answer token: h_t [N, H], the layers' outputs at t [N, L, H]
-    (RMS-normalised), the root x_t+1 and the target x_t+2 [N]."""
+    (RMS-normalised), the root x_t+1 and the target x_t+2 [N]: as training reads them (answer_positions, for one
+    hydra head that reads the layers), a conversation at a time."""
     examples = build_examples(tokenizer, [chat for path in files for chat in read_conversations(path)], 2048)
+    size = model.config.hidden_size
+    config = HeadsConfig(size, model.config.vocab_size, num_heads=1, kind="hydra", feature_layers=tuple(layers))
     found = {"hidden": [], "layers": [], "root": [], "target": []}
-    for example in tqdm(examples, desc=f"features of {len(examples)} conversations", unit="conversation"):
-        ids, labels = torch.tensor([example["input_ids"]]), torch.tensor(example["labels"])
-        out = model.base_model(input_ids=ids, output_hidden_states=True)
-        t = (labels[2:] != IGNORE_INDEX).nonzero()[:, 0]
-        found["hidden"].append(out.last_hidden_state[0, t].bfloat16())
-        chosen = [out.hidden_states[layer][0, t].float() for layer in layers]  # [0]: the embeddings, [i]: layer i's output
-        found["layers"].append(torch.stack([F.rms_norm(x, x.shape[-1:]) for x in chosen], 1).bfloat16())
-        found["root"].append(ids[0, t + 1])
-        found["target"].append(ids[0, t + 2])
+    positions = answer_positions(model, config, examples, pad_id=0, batch_size=1)
+    for state, targets, path in tqdm(positions, desc=f"features of {len(examples)} conversations",
+                                     total=len(examples), unit="conversation"):
+        found["hidden"].append(state[:, :size].bfloat16())
+        found["layers"].append(state[:, size:].unflatten(-1, (len(layers), size)).bfloat16())
+        found["root"].append(path[:, 0])
+        found["target"].append(targets[0])
     return {name: torch.cat(parts) for name, parts in found.items()}
 
 
