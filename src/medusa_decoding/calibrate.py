@@ -202,8 +202,7 @@ def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateC
     examples = build_examples(tokenizer, conversations, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     for state, targets, path in train.answer_positions(model, heads.config, examples, pad_id, config.batch_size):
-        embeds = model.get_input_embeddings()(path) if heads.config.kind == "hydra" else None
-        yield state, targets, embeds, path[:, 0]
+        yield state, targets, train.path_embeddings(heads.config, model.get_input_embeddings(), path), path[:, 0]
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:

@@ -59,6 +59,12 @@ def path_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
     return torch.stack([torch.cat([input_ids[:, j:], last.expand(-1, j)], dim=1) for j in range(1, num_heads + 1)], -1)
 
 
+def path_embeddings(config: HeadsConfig, embed: nn.Module, path: torch.Tensor) -> torch.Tensor | None:
+    """What hydra heads read of the tokens after t: path [N, K] (path_tokens) -> their input embeddings [N, K, H];
+    None for MEDUSA heads, which read h_t alone."""
+    return embed(path) if config.kind == "hydra" else None
+
+
 def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int):
     """The positions where some head has a target, out of a batch of conversations: state [B, T, S], input_ids and
     labels [B, T] -> (state [n, S], targets [K, n], path [n, K]: path_tokens, rows [n]: each position's example).
@@ -184,7 +190,7 @@ class MedusaTrainingModel(nn.Module):
         else:
             targets = targets.T
         lm_head = self.causal_lm.get_output_embeddings()
-        embeds = self.causal_lm.get_input_embeddings()(path) if self.heads.config.kind == "hydra" else None
+        embeds = path_embeddings(self.heads.config, self.causal_lm.get_input_embeddings(), path)
         projection = lm_head
         if self.vocab is not None:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
             projection = partial(F.linear, weight=lm_head.weight[self.vocab.to(targets.device)])
