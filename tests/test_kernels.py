@@ -338,11 +338,12 @@ def test_q8_pack_interleaves_16_rows_4_codes_at_a_time_and_keeps_only_float16_sc
 
 
 @needs_native
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 2, 8), (2, 2, 128)])
-def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads, kv_heads, head_dim):
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "prefix"),  # 150: keys over three tiles of 64
+                         [(9, 3, 64, 37), (9, 3, 64, 150), (4, 2, 8, 37), (2, 2, 128, 37)])
+def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads, kv_heads, head_dim, prefix):
     load_native()
     torch.manual_seed(head_dim)
-    prefix, tree = 37, Tree.from_spec(DEFAULT_TREE)
+    tree = Tree.from_spec(DEFAULT_TREE)
     n, keys = tree.num_nodes, prefix + tree.num_nodes
     q, k, v = torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim), torch.randn(1, kv_heads, keys, head_dim)
     mask = torch.zeros(1, n, keys)
