@@ -17,10 +17,10 @@ from medusa_decoding import kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
 from medusa_decoding.decoding import PLAIN
-from medusa_decoding.kernels import (GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS, Int8Linear, NativeLinear,
-                                     Q8Linear, block_codes, compile_error, guess_projection, load_native, native_build,
-                                     q8_pack, q8_paths, reads_blocks, resolve_kernels, set_guess_vocab, stock_kernels,
-                                     use_kernels)
+from medusa_decoding.kernels import (GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS, BlockRows, Int8Linear,
+                                     NativeLinear, Q8Linear, block_codes, compile_error, guess_projection, load_native,
+                                     native_build, q8_pack, q8_paths, reads_blocks, resolve_kernels, set_guess_vocab,
+                                     stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -270,6 +270,19 @@ def test_guesses_go_through_an_int8_copy_of_the_lm_head_under_native_kernels(fam
 # --- 8-bit activations, batch-invariant attention --------------------------------------------------------------------
 
 Q8_TOLERANCE = 0.015  # |q8 - float32| / |float32| over a layer's outputs: 8-bit activations (measured 0.5-0.6%)
+
+
+@needs_native
+def test_guesses_read_the_lm_heads_gguf_blocks_where_it_has_them_to_the_same_bits():
+    native = native_copy(gguf_model("llama"))
+    lm_head, vocab = native.get_output_embeddings(), torch.tensor([5, 0, 17, 3, 40])
+    hidden = torch.randn(3, native.config.hidden_size)
+    with torch.no_grad():
+        guesses = guess_projection(native)
+        assert isinstance(guesses, BlockRows) and guesses.codes is lm_head.codes  # all rows: shared, not copied
+        assert torch.equal(guesses(hidden), lm_head(hidden))
+        set_guess_vocab(native, vocab)
+        assert torch.equal(guess_projection(native)(hidden), lm_head(hidden)[:, vocab])
 
 
 def q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

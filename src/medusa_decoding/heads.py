@@ -116,7 +116,7 @@ class MedusaHeads(nn.Module):
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None,
                 embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
         """hidden: [..., H] -> token ids [K', ..., k]: each head's top k (heads and embeds as in forward). A shared
-        projection onto part of the vocabulary (an Int8Linear with `rows`, kernels.set_guess_vocab) ranks those
+        projection onto part of the vocabulary (a guess copy with `rows`, kernels.set_guess_vocab) ranks those
         tokens only."""
         top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
         rows = self.guess_rows(lm_head)

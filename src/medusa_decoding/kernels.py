@@ -42,7 +42,9 @@ output stays the same. Under native or compiled kernels on a CPU in float32 they
 head (`Int8Linear`, one scale per row): a quarter of the bytes of the largest matrix, read once more every step
 for the guesses alone. With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the
 output and acceptance unchanged. Heads calibrated with a guess vocabulary (`set_guess_vocab`) keep only the rows of
-the tokens answers use most in that copy. Measured side by side: benchmarks/cpu_kernels.py and its results.
+the tokens answers use most in that copy. Where the LM head reads GGUF blocks (the embedded default's tied Q8_0
+embedding) the copy is those blocks' rows instead (`BlockRows`): exact, and fewer bytes than int8 with its scales.
+Measured side by side: benchmarks/cpu_kernels.py and its results.
 """
 
 import contextlib
@@ -66,7 +68,7 @@ Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bi
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
 SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp")]
-GUESS_COPY = "int8"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
+GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # else the baseline
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 
@@ -261,6 +263,38 @@ class Int8Linear(nn.Module):
         return out.reshape(*x.shape[:-1], -1)
 
 
+class BlockRows(nn.Module):
+    """Rows of a NativeLinear that reads GGUF blocks (`codes`, `scales`), read as blocks: its own float32 outputs on
+    those rows, from the fewest bytes. rows: as Int8Linear's (None: all, the blocks shared, not copied)."""
+
+    def __init__(self, linear: NativeLinear, rows: torch.Tensor | None = None):
+        super().__init__()
+        codes, scales, bias = linear._buffers["codes"], linear._buffers["scales"], linear.bias
+        if rows is not None:
+            codes, scales = codes[rows].contiguous(), scales[rows].contiguous()
+            bias = None if bias is None else bias[rows]
+        self.bits = 8 * codes.shape[1] // linear.in_features
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("scales", scales, persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = torch.ops.medusa.linear_blocks(x.reshape(-1, x.shape[-1]), self.codes, self.scales, self.bits)
+        out = out if self.bias is None else out + self.bias
+        return out.reshape(*x.shape[:-1], -1)
+
+
+def guess_copy(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Module:
+    """The LM head's copy that the heads' guesses go through on a CPU in float32, on `rows` (None: all): its GGUF
+    blocks where it reads them as float32 (the embedded default's Q8_0 embedding: exact, and over SmolLM2's 4096
+    calibrated rows 74 us a guess against Int8Linear's 118, from memory, 2-core Xeon), else int8 weights (Int8Linear:
+    a quarter of float32's bytes, approximate; a guess needs no more)."""
+    if type(lm_head) is NativeLinear and "codes" in lm_head._buffers:
+        return BlockRows(lm_head, rows)
+    return Int8Linear(lm_head, rows)
+
+
 GROUPED_SDPA = "grouped_sdpa"
 PLAIN_ATTENTION_KWARGS = {"dropout", "scaling", "position_ids", "use_cache", "sliding_window", "cache_position",
                           "output_hidden_states"}  # the last: passed down by models, unread by attention
@@ -350,8 +384,8 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     "compiled" on a CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with
     8-bit activations under "q8" and "compiled-q8": Q8Linear); the compiled kernels then decode on the compiled
     engine (compiled.py, which decoding.Batch runs where MedusaModel's kernels say so). A float32 CPU model gets
-    `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head an int8 copy
-    for the heads' guesses (`guess_projection`)."""
+    `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head a copy for the
+    heads' guesses (`guess_copy`, `guess_projection`)."""
     if kernels == "stock":
         return model
     lm_head = model.get_output_embeddings()
@@ -369,7 +403,7 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
     if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
-        lm_head.add_module(GUESS_COPY, Int8Linear(lm_head))
+        lm_head.add_module(GUESS_COPY, guess_copy(lm_head))
     return model
 
 
@@ -389,14 +423,14 @@ def reads_blocks(model: nn.Module) -> bool:
 
 
 def guess_projection(model: nn.Module) -> nn.Module:
-    """What the heads' guesses are projected through: the LM head's int8 copy where use_kernels made one, else
+    """What the heads' guesses are projected through: the LM head's copy (guess_copy) where use_kernels made one, else
     the LM head itself. The model's own logits always come from the LM head."""
     lm_head = model.get_output_embeddings()
     return getattr(lm_head, GUESS_COPY, lm_head)
 
 
 def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
-    """Lets the heads guess only tokens of `vocab` (ids; None: all), where use_kernels gave the LM head an int8 copy
+    """Lets the heads guess only tokens of `vocab` (ids; None: all), where use_kernels gave the LM head a copy
     for the guesses: the copy keeps those rows. The guesses of a step then cost a fraction of a projection onto the
     whole vocabulary (SmolLM2, the 4096 tokens its answers use most: 0.19 ms against 2.67 with top-k, 2-core Xeon),
     and are as often right (`medusa calibrate` picks the tokens). Elsewhere (stock kernels, a GPU) nothing changes:
@@ -408,7 +442,7 @@ def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
                                   and int(vocab.max()) < lm_head.out_features and len(vocab.unique()) == len(vocab)):
         raise ValueError(f"guess vocabulary: distinct token ids below {lm_head.out_features} expected (heads "
                          "calibrated for another model?)")
-    lm_head.add_module(GUESS_COPY, Int8Linear(lm_head, vocab))
+    lm_head.add_module(GUESS_COPY, guess_copy(lm_head, vocab))
 
 
 @contextlib.contextmanager
