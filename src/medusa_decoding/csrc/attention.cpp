@@ -8,7 +8,7 @@
 // The queries of a kv group (its query heads, for every tree node) go through the keys together, a tile at a time,
 // so a step reads the cache from memory once per group, not once per query head and node: on a 2-core Xeon,
 // SmolLM2's 30 layers at a 512-token context, 1 / 4 / 9 tokens, 1.0 / 1.9 / 3.4 ms against 1.0 / 2.5 / 5.0 before
-// (a step over 3 candidates 20.1 ms against 21.2, plain 15.6 either way; at 1536 tokens 25.4 against 29.5).
+// (a step over 3 candidates 20.1 ms against 21.2, plain 15.6 either way; at 1536 tokens 25.4 against 29.7).
 //
 // q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv: grouped-query attention; rows contiguous), mask
 // [B, T, S] additive (0: seen, anything else: not; none: every key) -> [B, T, H, D]. The seen keys are taken in column
@@ -91,6 +91,11 @@ inline f32x16 sums16(f32x16 v[LANES]) {
 // dim, then across lanes by sums16), the exponentials 16 keys a vector in the order seen, the weighted values key by
 // key, carried from tile to tile in memory (bitwise what registers hold).
 template <int C>
+inline int64_t chunks_of(int64_t D) {  // vectors in a row of the head dim
+  return C ? C : (D + LANES - 1) / LANES;
+}
+
+template <int C>
 inline f32x16 chunk(const float* x, int64_t c, int64_t D) {
   return C ? load(x + c * LANES) : load(x + c * LANES, std::min(LANES, D - c * LANES));
 }
@@ -109,7 +114,7 @@ struct Query {
 template <int C>
 void scores(Query& a, const float* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
   const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = C ? C : (D + LANES - 1) / LANES;
+  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
   const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
   f32x16 q[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) q[c] = chunk<C>(a.q, c, D);
@@ -151,7 +156,7 @@ void exponentials(Query& a) {
 template <int C>
 void values(Query& a, const float* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
   const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = C ? C : (D + LANES - 1) / LANES;
+  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
   f32x16 out[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) out[c] = a.out[c];
   for (int64_t i = i0; i < n; i++) {
@@ -174,7 +179,7 @@ void attend_group(std::vector<Query>& group, const float* K, const float* V, int
   for (Query& a : group) exponentials(a);
   for (int64_t i = 0; i < n; i += TILE_KEYS)
     for (Query& a : group) values<C>(a, V, i, i + TILE_KEYS, D, vrow);
-  const int64_t chunks = C ? C : (D + LANES - 1) / LANES;
+  const int64_t chunks = chunks_of<C>(D);
   for (Query& a : group)
     for (int64_t c = 0; c < chunks; c++) {
       const f32x16 o = a.out[c] * a.inverse;
@@ -222,7 +227,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                    : D % LANES == 0 && D / LANES == 8 ? attend_group<8>
                                                       : attend_group<0>;
   at::parallel_for(0, groups * parts, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (S + LANES - 1) / LANES * LANES, chunks = (D + LANES - 1) / LANES;
+    const int64_t padded = (S + LANES - 1) / LANES * LANES, chunks = chunks_of<0>(D);
     std::vector<float> p(per * padded);
     std::vector<f32x16> outs(per * chunks);
     std::vector<Query> group;
