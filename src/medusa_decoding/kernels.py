@@ -128,6 +128,11 @@ def native_available() -> bool:
     return error is None
 
 
+def blocks_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W.T for W held as GGUF blocks (block_codes' codes and scales; 4- or 8-bit, told by their width)."""
+    return torch.ops.medusa.linear_blocks(x, codes, scales, 8 * codes.shape[1] // x.shape[-1])
+
+
 class NativeLinear(nn.Linear):
     """An nn.Linear that runs medusa::linear on inputs of up to MAX_ROWS rows (a MEDUSA step) and stock kernels
     above (a prefill); where `use_kernels` found its weights to be exact GGUF blocks (`block_codes`), it reads
@@ -141,7 +146,7 @@ class NativeLinear(nn.Linear):
         x2 = x.reshape(-1, x.shape[-1])
         # a SmolLM2 step makes 211 of these calls: each attribute read through nn.Module.__getattr__ costs a microsecond
         if (codes := self._buffers.get("codes")) is not None:
-            out = torch.ops.medusa.linear_blocks(x2, codes, self._buffers["scales"], 8 * codes.shape[1] // x.shape[-1])
+            out = blocks_linear(x2, codes, self._buffers["scales"])
         else:
             out = torch.ops.medusa.linear(x2, self.weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -273,14 +278,13 @@ class BlockRows(nn.Module):
         if rows is not None:
             codes, scales = codes[rows].contiguous(), scales[rows].contiguous()
             bias = None if bias is None else bias[rows]
-        self.bits = 8 * codes.shape[1] // linear.in_features
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.register_buffer("rows", rows, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.ops.medusa.linear_blocks(x.reshape(-1, x.shape[-1]), self.codes, self.scales, self.bits)
+        out = blocks_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], -1)
 
