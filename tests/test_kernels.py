@@ -2,10 +2,12 @@
 and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits, or with 8-bit
 activations (q8: every instruction path the same bits); native attention gives a tree node what a one-token pass gives
 its token, so a tree pass is bitwise a run of one-token passes (the compiled engine: test_compiled); grouped-query attention
-over a tree reads the keys in place; the heads guess through an int8 copy of the LM head."""
+over a tree reads the keys in place; the heads guess through a copy of the LM head's rows (its GGUF blocks, else
+int8); where a C++ compiler is, the kernels build (else every test that needs them would skip)."""
 
 import copy
 import math
+import shutil
 from dataclasses import replace
 
 import pytest
@@ -176,6 +178,15 @@ def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, 
     grouped = tree_logits(GROUPED_SDPA)
     assert tree.num_nodes not in fallbacks  # the tree pass took SDPA's grouped path, every layer
     torch.testing.assert_close(grouped, tree_logits("sdpa"), rtol=1e-5, atol=1e-5)
+
+
+def test_the_native_kernels_build_wherever_a_compiler_is():
+    from torch.utils.cpp_extension import get_cxx_compiler
+
+    if shutil.which(get_cxx_compiler()) is None:
+        assert native_build().startswith("no C++ compiler")
+    else:  # a failing build is a bug in csrc/, not a machine without kernels
+        assert native_build() is None, native_build()
 
 
 def test_resolve_kernels():
