@@ -112,3 +112,14 @@ def test_gather_paths_moves_what_commit_moves(family):
             for mine, theirs in zip(caches[1].layers, caches[0].layers, strict=True):
                 assert torch.equal(mine.key_buffer[:, :, :end], theirs.key_buffer[:, :, :end])
                 assert torch.equal(mine.value_buffer[:, :, :end], theirs.value_buffer[:, :, :end])
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_step_graph_settings_are_valid_on_every_device(device_type):
+    """torch.compile refuses a mode and options together; the step graph's own options (no module guards) join the
+    device's settings, so each device's must come as options alone. Built here, not run: no GPU is needed."""
+    class Model:
+        device = torch.device(device_type)
+
+    assert callable(compiled.step_graph(Model()))
+    assert callable(compiled.path_mover(device_type))

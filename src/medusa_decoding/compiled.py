@@ -11,7 +11,7 @@ runs greedy acceptance inside too; the accepted paths move into place with one g
 to the capacity, and a step reads the device once (the accepted paths). The prefill stays eager: it runs once per
 request, at a length no two requests share.
 
-On a GPU the graphs replay as CUDA graphs (`mode="reduce-overhead"`); inductor caches what it compiled on disk
+On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor caches what it compiled on disk
 (`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
 compiler for inductor on a CPU, no Triton on a GPU), kernels.resolve_kernels says so in one line.
 """
@@ -57,8 +57,8 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
 
 def compile_settings(device_type: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
-    if device_type == "cuda":
-        return {"dynamic": False, "mode": "reduce-overhead"}
+    if device_type == "cuda":  # mode="reduce-overhead", as an option: torch.compile takes a mode or options, not both
+        return {"dynamic": False, "options": {"triton.cudagraphs": True}}
     # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)
     return {"dynamic": False, "options": {"size_asserts": False}}
 
