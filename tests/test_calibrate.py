@@ -385,6 +385,8 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
     monkeypatch.setattr(calibrate, "code_digest", lambda: "other kernels")  # latencies timed on other code: refit
     with pytest.raises(AssertionError, match="the cached fit must be used"):
         MedusaModel.from_pretrained(base, heads)
+    fixed = MedusaModel.from_pretrained(base, heads, tree="confident:5").trees  # N given: nothing fitted or timed
+    assert fixed.confident and [t.num_nodes for t in fixed.trees] == [6]
 
 
 def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_sizes_match(base_and_heads):

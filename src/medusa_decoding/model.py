@@ -176,7 +176,7 @@ class MedusaModel:
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
                 if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
-                if mode in ("auto", "confident"):  # after the kernels: they set the latency
+                if mode in ("auto", "confident") and not size:  # after the kernels: they set the latency
                     medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode == "confident")
         if mode == "confident":
             medusa.trees = (Ladder.fixed(Tree.from_spec([size]), confident=True) if size
