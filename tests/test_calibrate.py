@@ -399,6 +399,11 @@ def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_siz
     confident, auto = (MedusaModel.from_pretrained(base, heads, tree=tree).trees for tree in ("confident", "auto"))
     assert confident.confident and list(confident.expected_tokens) == simulated[: len(confident.trees)]
     assert not auto.confident and list(auto.expected_tokens) != simulated[: len(auto.trees)]
+    between, beyond = (sizes[-2] + sizes[-1]) / 2, sizes[-1] + 1  # N candidates each step: the simulation's yield
+    for n, tokens in ((sizes[2], simulated[2]), (int(between), 1 + 0.2 * int(between)),
+                      (beyond, 1 + grow_tree(HAND, beyond)[1][-1])):  # past the simulation: the static tree's, a floor
+        fixed = MedusaModel.from_pretrained(base, heads, tree=f"confident:{n}").trees
+        assert fixed.confident and fixed.expected_tokens == pytest.approx((tokens,))
     record.update(sizes=sizes[:-1], latency_s=[[1.0] * (len(sizes) - 1)], confident_tokens=simulated[:-1])
     (heads / "accuracy.json").write_text(json.dumps(record))  # simulated over other sizes: auto's ladder, confident
     confident, auto = (MedusaModel.from_pretrained(base, heads, tree=tree).trees for tree in ("confident", "auto"))

@@ -294,7 +294,7 @@ def predictions(decoders: list, turns: list) -> list[dict]:
         contexts, latency = measure_step_latency(medusa, measured, config)
         timed = replace(trees, contexts=tuple(contexts), latency_s=tuple(map(tuple, latency)))
         sizes = [tree.num_nodes - 1 for tree in measured]
-        expected = (list(trees.expected_tokens) if trees.confident and len(measured) > 1  # calibration simulated them
+        expected = (list(trees.expected_tokens) if trees.confident  # the calibration's (a confident tree: its size)
                     else [1 + expected_acceptance(tree.paths, accuracy) for tree in measured])
         sums: dict[str, list[float]] = {}  # category -> predicted tokens, predicted s, measured tokens, s, steps
         for (question, _, prompt_len, _), out in zip(turns, outputs):

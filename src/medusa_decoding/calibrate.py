@@ -29,7 +29,7 @@ from . import cache as kv
 from .config import CalibrateConfig, GenerationConfig
 from .decoding import Batch, context_limit, propose, propose_confident
 from .default_model import cache_root
-from .guard import Guard, Ladder, first_sizes, yields
+from .guard import Guard, Ladder, first_sizes, interpolate, yields
 from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
@@ -464,6 +464,15 @@ class HeadsCalibration(NamedTuple):
     guess_vocab: torch.Tensor | None  # the tokens the heads guess from; None: all
     fit: dict | None  # FIT's fields, measured on `setup`; None where the record predates latency by context
     confident_tokens: list[float] | None  # confident trees' tokens per step, per size of the fit (measure_yields)
+
+
+def confident_yield(calibration: HeadsCalibration, size: int) -> float:
+    """Tokens a step of `size` confident candidates yields: the calibration's simulation, linear between its sizes;
+    beyond them, or where it simulated none, the static tree of that size's (a floor)."""
+    sizes = calibration.fit["sizes"] if calibration.fit else []
+    if calibration.confident_tokens and size <= sizes[-1]:
+        return interpolate(sizes, [(t,) for t in calibration.confident_tokens], size)[0]
+    return 1.0 + grow_tree(calibration.accuracy, size)[1][-1]
 
 
 def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:

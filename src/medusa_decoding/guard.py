@@ -94,9 +94,10 @@ class Ladder:
             raise ValueError("ladder: batch sizes 1 < b2 < ..., a positive batch step latency for every tree at each")
 
     @staticmethod
-    def fixed(tree: Tree, confident: bool = False) -> "Ladder":
-        """One tree, always: an explicit tree, or plain decoding (confident: its size, the likeliest nodes)."""
-        return Ladder((tree,), (1.0,), (0,), ((1.0,),), confident=confident)
+    def fixed(tree: Tree, confident: bool = False, tokens: float = 1.0) -> "Ladder":
+        """One tree, always: an explicit tree, or plain decoding (confident: its size, the likeliest nodes; tokens:
+        what such a step yields, where the calibration says)."""
+        return Ladder((tree,), (tokens,), (0,), ((1.0,),), confident=confident)
 
     @property
     def tree(self) -> Tree:

@@ -170,6 +170,7 @@ class MedusaModel:
         medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
                      kernels)
         medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
+        calibration = None
         if heads_dir is not None:
             from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
 
@@ -178,9 +179,13 @@ class MedusaModel:
                     set_guess_vocab(medusa.model, vocab)
                 if mode in ("auto", "confident") and not size:  # after the kernels: they set the latency
                     medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode == "confident")
-        if mode == "confident":
-            medusa.trees = (Ladder.fixed(Tree.from_spec([size]), confident=True) if size
-                            else replace(medusa.trees, confident=True))
+        if mode == "confident" and size:
+            from .calibrate import confident_yield
+
+            medusa.trees = Ladder.fixed(Tree.from_spec([size]), confident=True,
+                                        tokens=confident_yield(calibration, size) if calibration else 1.0)
+        elif mode == "confident":
+            medusa.trees = replace(medusa.trees, confident=True)
         return medusa
 
     def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto", compiled: bool | None = None
