@@ -100,6 +100,8 @@ def test_figures_agree(greedy):
 def test_greedy_is_lossless_and_multi_turn(greedy):
     assert greedy["lossless"] is True
     assert greedy["matches_transformers"] is True
+    assert all(turn["medusa"]["same_as_plain"] and turn["medusa"]["agreed_with_plain"] == turn["plain"]["new_tokens"]
+               and "agreed_with_plain" not in turn["plain"] for turn in greedy["turns"])
     first, second = greedy["turns"][:2]
     assert (first["turn"], second["turn"]) == (1, 2)
     assert second["prompt_tokens"] > first["prompt_tokens"] + first["plain"]["new_tokens"]  # own answer in history
@@ -117,6 +119,9 @@ def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
     monkeypatch.setitem(RULES, "greedy", accept_a_whole_leaf_path)
     report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
     assert report["lossless"] is False
+    first = report["turns"][0]["medusa"]  # where it parted from plain, for a reader to look at
+    assert not first["same_as_plain"] and first["agreed_with_plain"] < TOKENS
+    assert f"NO (medusa at token {first['agreed_with_plain']} of q" in table(report)
 
 
 @needs_compiler

@@ -323,6 +323,14 @@ def prediction_figures(total: list[float]) -> dict:
             "error": ratio(ratio(tokens, seconds), predicted) - 1}
 
 
+def turn_record(out: GenerationOutput, plain: GenerationOutput | None) -> dict:
+    """One decoder's turn; beside plain's greedy answer, how many tokens it shared before they parted (all of them:
+    lossless on this turn), so that a difference shows where it began."""
+    record = {"new_tokens": len(out.token_ids), "steps": out.steps, "seconds": out.seconds}
+    return record if plain is None else {**record, "agreed_with_plain": agreed_prefix(out.token_ids, plain.token_ids),
+                                         "same_as_plain": out.token_ids == plain.token_ids}
+
+
 def agreed_prefix(a: list[int], b: list[int]) -> int:
     """How many tokens two answers share before their first difference."""
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -388,7 +396,7 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
         "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
-             **{name: {"new_tokens": len(o.token_ids), "steps": o.steps, "seconds": o.seconds}
+             **{name: turn_record(o, outputs["plain"] if greedy and name != "plain" else None)
                 for name, o in sorted(outputs.items(), key=lambda item: order(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
@@ -425,6 +433,11 @@ def table(report: dict) -> str:
     rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
                 "guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
+    if report["lossless"] is False:
+        parted = [f"{name} at token {record['agreed_with_plain']} of q{turn['question_id']}.{turn['turn']}"
+                  for turn in report["turns"] for name, record in turn.items()
+                  if isinstance(record, dict) and record.get("same_as_plain") is False and name != "transformers"]
+        lossless += f" ({'; '.join(parted)})"
     rows.append(f"lossless (greedy MEDUSA{' and every rival' if rivals else ''} == plain on every turn): {lossless}; "
                 f"device: {report['device']}")
     if "step_latency_ms" in report:
