@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# MT-Bench on a lent GPU (DEVELOPERS.md, "On a GPU"), greedy, 256 new tokens per turn, compiled engine (CUDA
+# graphs), bfloat16: the shipped hydra heads with confident trees of 64 candidates (issue 21's GPU-sized budget),
+# beside the same heads' static calibrated tree of 64 (static64) and the MEDUSA heads' (medusa64), plain decoding on
+# the same engine and transformers generate. 16 turns (`--per-category 1`) take about 5 minutes on an H200, most of it
+# generate's and compiling. Writes $OUT.json and $OUT.png; extra arguments go to `medusa bench` (later ones win),
+# e.g. --sweep 4,8,16,32 --limit 4 for the static trees of other sizes.
+#   source /root/medusa-gpu/env.sh && QUESTIONS=<mt_bench_question.jsonl> benchmarks/mt_bench_gpu.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"  # the GPU machine's; our package runs from src/ there (no install, no network)
+OUT="${OUT:-benchmarks/results/mt_bench_gpu}"
+QUESTIONS="${QUESTIONS:-../shared/data/mt_bench_question.jsonl}"
+ASSETS=src/medusa_decoding/assets
+export PYTHONPATH="src${PYTHONPATH:+:$PYTHONPATH}"
+trees=$(mktemp -d)
+"$PYTHON" - "$trees" <<'PY'
+import json, sys
+from medusa_decoding.calibrate import greedy_trees, read_accuracy
+for kind in ("heads-hydra", "heads"):  # each heads' own greedy tree of 64 candidates from their calibration
+    (tree,) = greedy_trees(read_accuracy(f"src/medusa_decoding/assets/{kind}").accuracy, [64])
+    open(f"{sys.argv[1]}/{kind}.json", "w").write(json.dumps([list(p) for p in tree.paths]))
+PY
+"$PYTHON" -c 'import sys; from medusa_decoding.cli import main; main(sys.argv[1:])' bench \
+    --questions "$QUESTIONS" --per-category 1 --temperature 0 --max-new-tokens 256 --kernels compiled \
+    --heads $ASSETS/heads-hydra --tree confident:64 --rival "static64=@$trees/heads-hydra.json" \
+    --rival "medusa64=$ASSETS/heads@$trees/heads.json" --json "$OUT.json" --plot "$OUT.png" "$@"
