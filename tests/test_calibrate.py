@@ -11,7 +11,7 @@ import torch
 from conftest import tiny_tokenizer
 from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_reference, lively_model, random_heads
 
-from medusa_decoding import MedusaModel, calibrate
+from medusa_decoding import MedusaModel, calibrate, decoding
 from medusa_decoding.calibrate import (
     choose_tree,
     expected_acceptance,
@@ -296,7 +296,7 @@ def test_simulation_stops_after_simulated_positions(oracle):
     assert one[0][1] in (1, 2, 3) and one != measure_yields(medusa, [ORACLE_CHAT], paths, [0, 4])
 
 
-def test_step_latency_is_one_positive_time_per_tree(oracle):
+def test_step_latency_is_one_positive_time_per_tree(oracle, monkeypatch):
     medusa, _ = oracle
     paths, _ = grow_tree(HAND, 6)
     trees = [build(())] + [build(tuple(paths[:n])) for n in (1, 3, 6)]
@@ -304,6 +304,10 @@ def test_step_latency_is_one_positive_time_per_tree(oracle):
                                                                               latency_repeats=3))
     assert contexts == [8, 32, 1024 - 9]  # increasing, cut to the context the largest tree and a step after leave
     assert len(latencies) == 3 and all(len(row) == 4 and min(row) > 0 for row in latencies)
+    chosen = []  # confident trees' steps are timed as they decode: choosing their nodes included
+    monkeypatch.setattr(decoding, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
+    measure_step_latency(medusa, trees[1:], CalibrateConfig(latency_contexts=(32,), latency_repeats=1), confident=True)
+    assert sorted(set(chosen)) == [1, 3, 6]
 
 
 def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys):

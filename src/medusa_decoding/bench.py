@@ -291,7 +291,7 @@ def predictions(decoders: list, turns: list) -> list[dict]:
     rows = []
     for name, medusa, accuracy, trees, outputs in decoders:
         measured = list(trees.trees)
-        contexts, latency = measure_step_latency(medusa, measured, config)
+        contexts, latency = measure_step_latency(medusa, measured, config, trees.confident)  # as the decoder steps
         timed = replace(trees, contexts=tuple(contexts), latency_s=tuple(map(tuple, latency)))
         sizes = [tree.num_nodes - 1 for tree in measured]
         expected = (list(trees.expected_tokens) if trees.confident  # the calibration's (a confident tree: its size)
