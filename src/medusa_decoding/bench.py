@@ -33,6 +33,7 @@ from .tree import Tree
 
 DECODERS = ("medusa", "plain", "transformers")
 LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
+OTHER_ENGINES = ("transformers", LLAMA_CPP)  # their tokens are not held to plain decoding's (lossless)
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
@@ -392,7 +393,7 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
         "overall": summary([outputs for *_, outputs in turns]),
         "categories": {name: summary(outputs) for name, outputs in by_category.items()},
         "lossless": all(out.token_ids == o["plain"].token_ids for *_, o in turns for name, out in o.items()
-                        if name not in ("transformers", LLAMA_CPP)) if greedy else None,
+                        if name not in OTHER_ENGINES) if greedy else None,
         "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
@@ -436,7 +437,7 @@ def table(report: dict) -> str:
     if report["lossless"] is False:
         parted = [f"{name} at token {record['agreed_with_plain']} of q{turn['question_id']}.{turn['turn']}"
                   for turn in report["turns"] for name, record in turn.items()
-                  if isinstance(record, dict) and record.get("same_as_plain") is False and name != "transformers"]
+                  if isinstance(record, dict) and record.get("same_as_plain") is False and name not in OTHER_ENGINES]
         lossless += f" ({'; '.join(parted)})"
     rows.append(f"lossless (greedy MEDUSA{' and every rival' if rivals else ''} == plain on every turn): {lossless}; "
                 f"device: {report['device']}")

@@ -11,8 +11,8 @@ runs greedy acceptance inside too; the accepted paths move into place with one g
 to the capacity, and a step reads the device once (the accepted paths). The prefill stays eager: it runs once per
 request, at a length no two requests share.
 
-On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor caches what it compiled on disk
-(`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
+On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor
+caches what it compiled on disk (`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
 compiler for inductor on a CPU, no Triton on a GPU), kernels.resolve_kernels says so in one line.
 """
 
