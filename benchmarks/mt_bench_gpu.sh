@@ -4,7 +4,8 @@
 # beside the same heads' static calibrated tree of 64 (static64) and the MEDUSA heads' (medusa64), plain decoding on
 # the same engine and transformers generate. 16 turns (`--per-category 1`) take about 5 minutes on an H200, most of it
 # generate's and compiling. Writes $OUT.json and $OUT.png; extra arguments go to `medusa bench` (later ones win),
-# e.g. --sweep 4,8,16,32 --limit 4 for the static trees of other sizes.
+# e.g. --sweep 4,8,16,32 --limit 4 for the static trees of other sizes, --dtype float32 for how close to lossless
+# float32 comes on a GPU (bfloat16's near-ties: benchmarks/bf16_lossless.py).
 #   source /root/medusa-gpu/env.sh && QUESTIONS=<mt_bench_question.jsonl> benchmarks/mt_bench_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from medusa_decoding import HeadsConfig, MedusaHeads
+from medusa_decoding import HeadsConfig, MedusaHeads, MedusaModel
 from medusa_decoding.cli import heads_trained, main
 from medusa_decoding.config import DEFAULT_MODEL
 from medusa_decoding.kernels import native_build
@@ -65,6 +65,32 @@ def test_sampling_options_reach_the_engine(capsys):
         main(args)
         runs.append(json.loads(capsys.readouterr().out))
     assert runs[0]["token_ids"] == runs[1]["token_ids"] and len(runs[0]["token_ids"]) == 6
+
+
+class Loaded(Exception):
+    """Raised in place of loading: what the command asked of the model is all these tests look at."""
+
+
+@pytest.mark.parametrize(("given", "dtype"), [([], None), (["--dtype", "float32"], torch.float32),
+                                              (["--dtype", "bfloat16"], torch.bfloat16)])
+def test_dtype_reaches_the_model(given, dtype, monkeypatch, tmp_path):
+    """--dtype auto leaves the device's default (bfloat16 on a GPU, float32 on a CPU); a named one is the model's."""
+    def from_pretrained(*args, **kwargs):
+        raise Loaded(kwargs["dtype"])
+
+    monkeypatch.setattr(MedusaModel, "from_pretrained", from_pretrained)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": [PROMPT]}) + "\n")
+    for command in (["generate", "--prompt", PROMPT], ["bench", "--questions", str(questions)]):
+        with pytest.raises(Loaded) as loaded:
+            main([*command, *given])
+        assert loaded.value.args == (dtype,)
+
+
+def test_an_unknown_dtype_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--prompt", PROMPT, "--dtype", "float64"])
+    assert exit_.value.code == USAGE_ERROR and "invalid choice: 'float64'" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ SERVER = ServerConfig()
 DISTILL = DistillConfig()
 TRAIN = TrainConfig()
 CALIBRATE = CalibrateConfig()
+DTYPES = ("auto", "float32", "bfloat16")
 DATA_HELP = "conversations: ShareGPT-style JSON/JSONL files, e.g. medusa distill's (several are read in order)"
 
 
@@ -35,6 +36,11 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "compiled (fixed-shape steps through torch.compile, native kernels inside on a CPU: "
                             "about 40 s of compiling per tree size on first use, then the fastest steps), "
                             "compiled-q8 (compiled, with q8's linears: the fastest on a CPU, approximate)")
+        parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                            help="the model's dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32 or "
+                            "bfloat16. Greedy MEDUSA gives plain greedy decoding's tokens exactly where a tree's pass "
+                            "rounds as a one-token pass does (float32 on the native CPU kernels); in bfloat16 a "
+                            "near-tie between the top two tokens can flip")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,9 +54,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args):
+    import torch
+
     from .model import MedusaModel
 
-    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree_arg(args.tree), kernels=args.kernels)
+    dtype = getattr(args, "dtype", "auto")  # export has none: the weights as they are
+    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree_arg(args.tree), kernels=args.kernels,
+                                       dtype=None if dtype == "auto" else getattr(torch, dtype))
 
 
 def tree_arg(text: str | None):
