@@ -58,9 +58,8 @@ def load(args):
 
     from .model import MedusaModel
 
-    dtype = getattr(args, "dtype", "auto")  # export has none: the weights as they are
     return MedusaModel.from_pretrained(args.model, args.heads, tree=tree_arg(args.tree), kernels=args.kernels,
-                                       dtype=None if dtype == "auto" else getattr(torch, dtype))
+                                       dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
 
 
 def tree_arg(text: str | None):
@@ -433,7 +432,7 @@ def main(argv=None) -> None:
     p.add_argument("out", help="output directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     add_model_arguments(p, kernels=False)
-    p.set_defaults(run=cmd_export, kernels="stock")  # no decoding: the weights as they are
+    p.set_defaults(run=cmd_export, kernels="stock", dtype="auto")  # no decoding: the weights as they are
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal: /reset, /stats, /exit")
     add_model_arguments(p)
