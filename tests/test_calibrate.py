@@ -414,6 +414,14 @@ def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_siz
     assert confident.confident and confident.expected_tokens == auto.expected_tokens
 
 
+def test_confident_n_without_a_latency_fit_takes_the_static_floor(base_and_heads):
+    """Simulated yields with no sizes to read them by (a record without its latency fit): the static tree's."""
+    base, heads = base_and_heads
+    (heads / "accuracy.json").write_text(json.dumps({"accuracy": HAND.tolist(), "confident_tokens": [1.0, 1.5]}))
+    fixed = MedusaModel.from_pretrained(base, heads, tree="confident:3").trees
+    assert fixed.expected_tokens == pytest.approx((1 + grow_tree(HAND, 3)[1][-1],))
+
+
 def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):
     base, heads = base_and_heads
     (heads / "accuracy.json").write_text('{"accuracy": [[0.5, "x"]]}')

@@ -472,7 +472,7 @@ def confident_yield(calibration: HeadsCalibration, size: int) -> float:
     """Tokens a step of `size` confident candidates yields: the calibration's simulation, linear between its sizes;
     beyond them, or where it simulated none, the static tree of that size's (a floor)."""
     sizes = calibration.fit["sizes"] if calibration.fit else []
-    if calibration.confident_tokens and size <= sizes[-1]:
+    if calibration.confident_tokens and sizes and size <= sizes[-1]:
         return interpolate(sizes, [(t,) for t in calibration.confident_tokens], size)[0]
     return 1.0 + grow_tree(calibration.accuracy, size)[1][-1]
 
