@@ -91,6 +91,7 @@ class OracleHeads(torch.nn.Module):
     guesses = MedusaHeads.guesses
     guess_rows = MedusaHeads.guess_rows
 
+    @torch.compiler.disable  # Python that reads the device: the compiled engine's proposal graph calls it as it is
     def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None, embeds=None, first: int = 0
                 ) -> torch.Tensor:
         # hidden: [..., H] (embeds: [..., D, H]) -> logits: [K', ..., V]

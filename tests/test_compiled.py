@@ -13,7 +13,7 @@ from medusa_decoding import cache as kv
 from medusa_decoding import compiled
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, decode, prefill, verify
+from medusa_decoding.decoding import PLAIN, Batch, decode, prefill, propose, verify
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.tree import Tree, padded
@@ -22,6 +22,7 @@ PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
 # three sizes: the confident trees (a different shape each step) have DEFAULT_TREE's size, so they add no graph
 TREES = (PLAIN, Tree.from_spec([2, 1]), Tree.from_spec(DEFAULT_TREE), Ladder.fixed(Tree.from_spec(DEFAULT_TREE), True))
 SIZES = 3
+PROPOSALS = 2  # the static trees with candidates: a confident tree's proposal chooses its nodes on the host
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -48,8 +49,9 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
     for tree in TREES:
         assert tokens_of(engine, heads[0], PROMPT, tree, new_tokens[0]) == references[0]
     first = graphs() - before
-    # a step per tree size, and one path mover for every tree (unless a model of the same cache shapes compiled it)
-    assert SIZES <= first <= SIZES + 1
+    # a step per tree size, one path mover for every tree and a proposal per static tree (unless a model of the same
+    # shapes compiled them)
+    assert SIZES <= first <= SIZES + 1 + PROPOSALS
     for tree in TREES:  # another prompt, context and budget (the last steps' trees cut short): no new graph
         assert tokens_of(engine, heads[1], long_prompt, tree, new_tokens[1]) == references[1]
     assert graphs() - before == first
@@ -57,13 +59,14 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 
 @needs_compiler
-@pytest.mark.parametrize("layers", [(), (1,)], ids=["medusa", "fused"])  # fused: the graph gives layer 1's output too
-def test_compiled_batch_decodes_each_row_as_alone(layers):
+# fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path
+@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("medusa", (1,)), ("hydra", ())], ids=["medusa", "fused", "hydra"])
+def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
     model = lively_model("qwen2")
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
-    batch = Batch(engine, random_heads(engine, feature_layers=layers), compiled=True)
+    batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind), compiled=True)
     rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
             for prompt, n in zip(prompts, budgets)]
     produced = {id(row): [row.root] for row in rows}
@@ -71,6 +74,26 @@ def test_compiled_batch_decodes_each_row_as_alone(layers):
         for row, new, _ in batch.step():
             produced[id(row)] += new
     assert [produced[id(row)] for row in rows] == [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_the_proposal_graph_proposes_what_the_eager_proposal_does(kind):
+    """The compiled engine's proposal (one graph per heads and tree) against decoding.candidates run eagerly: the same
+    tokens and guesses for the whole tree and for a subtree of it, and no guesses where the guard reads none. (Random
+    heads over a tiny vocabulary: their ranks lie apart by far more than the graph's rounding.)"""
+    model = lively_model("llama")
+    heads, lm_head, embed = random_heads(model, kind=kind), model.get_output_embeddings(), model.get_input_embeddings()
+    hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        for spec in ([3, 2, 2], [[0], [1], [1, 0], [1, 1], [1, 1, 0]]):
+            tree = Tree.from_spec(spec)
+            small = tree.truncated(1)
+            for sub in (tree, small):
+                eager, on_graph = (propose(heads, lm_head, embed, hidden, 7, sub, tree, compiled=c) for c in (False, True))
+                assert torch.equal(eager[0], on_graph[0]) and eager[0][0] == 7
+                assert (torch.equal(eager[1], on_graph[1]) if kind == "medusa" else eager[1] == on_graph[1])
+            assert propose(heads, lm_head, embed, hidden, 7, tree, tree, compiled=True, keep=False)[1] is None
 
 
 @pytest.mark.parametrize("spec", [DEFAULT_TREE, [3, 2, 2], [[0], [1], [1, 0], [1, 1], [1, 1, 0]]])
@@ -122,4 +145,4 @@ def test_step_graph_settings_are_valid_on_every_device(device_type):
         device = torch.device(device_type)
 
     assert callable(compiled.step_graph(Model()))
-    assert callable(compiled.path_mover(device_type))
+    assert callable(compiled.graph(kv.gather_paths, device_type))

@@ -155,7 +155,8 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     wrong = OracleHeads(model, oracle.sequence)
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
     propose, choose, guessed, chosen, guards = decoding.propose, Guard.choose, [], [], set()
-    monkeypatch.setattr(decoding, "propose", lambda *args: (args[-1] is not None and guessed.append(1)) or propose(*args))
+    monkeypatch.setattr(decoding, "propose", lambda *args, **kw: (args[-1] is not None and guessed.append(1))
+                        or propose(*args, **kw))
     monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: guards.add(guard)
                         or chosen.append(choose(guard, context, batch, pooled)) or chosen[-1])
     promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins

@@ -83,9 +83,11 @@ def step_graph(model: PreTrainedModel):
 
 
 @functools.cache
-def path_mover(device_type: str):
-    """The compiled path mover (cache.gather_paths) for a device type: one graph per cache shape."""
-    return torch.compile(kv.gather_paths, **compile_settings(device_type))
+def graph(function, device_type: str):
+    """`function` compiled for a device type, one graph per shape of its inputs (and per module it runs): the path
+    mover (cache.gather_paths, one graph per cache shape) and the heads' proposal (decoding.candidates, one per heads
+    and tree). Their modules stay guarded: a few, unlike the model's thousands (step_graph)."""
+    return torch.compile(function, **compile_settings(device_type))
 
 
 def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -108,7 +110,7 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int,
     shape = (on_device.device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), width)
     if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
         moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
-        path_mover(on_device.device.type)(cache, on_device, moves)
+        graph(kv.gather_paths, on_device.device.type)(cache, on_device, moves)
         MOVED.add(shape)
     kv.settle(cache, lengths, paths)
 

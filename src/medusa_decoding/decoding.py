@@ -22,7 +22,7 @@ from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads, run_backbone
 from .kernels import guess_projection
-from .tree import Tree, build, node_index, padded
+from .tree import Tree, build, node_index, on_device, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
 
@@ -68,39 +68,46 @@ def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] 
     return cache, logits[0, -1], hidden[0, -1]
 
 
-def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree, watched: Tree | None
-            ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
+            compiled: bool = False, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
     """Propose: the step's tokens [N+1] (the root, then the candidates of `tree`) and the heads' guesses for the guard.
 
     watched: the tree whose nodes the heads guess for (it holds `tree`'s: the guard watches its ladder's largest);
     None: a plain step that does not guess. MEDUSA heads guess once per head, whatever the path: guesses [D, k],
-    each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`expand`): guesses
-    {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
+    each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`candidates`):
+    guesses {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
+    compiled: through the compiled engine's proposal graph (one per heads and tree); keep: False where the guard
+    reads no guesses (a fixed tree), which spares hydra heads' a read of the device.
     """
     root_token = torch.tensor([root], device=hidden.device)
     if watched is None:
         return root_token, None
-    if heads.config.kind == "medusa":
-        guesses = heads.guesses(hidden, lm_head, watched.topk_per_head(), watched.depth)
-        return torch.cat([root_token, guesses[tree.heads, tree.ranks]]), guesses
-    tokens, tops = expand(heads, lm_head, embed, hidden, root, watched)
+    guess = engine.graph(candidates, hidden.device.type) if compiled else candidates
+    tokens, tops = guess(heads, lm_head, embed, hidden, root_token, on_device(watched, hidden.device),
+                         watched.topk_per_head())
+    tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths).to(tokens.device)]
+    if heads.config.kind == "medusa" or not keep:
+        return tokens.clone(), tops.clone() if keep else None  # a CUDA graph's outputs live until its next replay
     guesses = {(() if node == 0 else watched.paths[node - 1]): top
                for (nodes, _, _), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
-    return (tokens if tree is watched else tokens[node_index(watched.paths, tree.paths)]), guesses
+    return tokens.clone(), guesses
 
 
-def expand(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree
-           ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Hydra's proposal, level by level: the children of the nodes at depth d are head d's top-k given each node's
-    path (the root and the candidates after it), one head call per depth -> the tokens of every node [N+1], and per
-    depth the top-k of each node expanded there ([n_d, k], in the order of tree.levels)."""
-    tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=hidden.device)
-    tokens[0] = root
+def candidates(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, tree: Tree, k: int
+               ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
+    """The tokens of every node of `tree` [N+1] (root: [1], first) and the heads' top-`k` behind them. MEDUSA heads:
+    one call, [D, k]. Hydra heads, level by level: the children of the nodes at depth d are head d's top-k given
+    each node's path (the root and the candidates after it), one head call per depth; per depth the top-k of each
+    node expanded there ([n_d, k], in the order of tree.levels). Fixed shapes for a tree: the compiled engine runs
+    it as one graph (on a GPU eagerly a level costs about a millisecond of launches, more than its arithmetic)."""
+    if heads.config.kind == "medusa":
+        guesses = heads.guesses(hidden, lm_head, k, tree.depth)
+        return torch.cat([root, guesses[tree.heads, tree.ranks]]), guesses
+    tokens = torch.cat([root, root.new_zeros(tree.num_nodes - 1)])
     tops = []
     for depth, (parents, children, rows) in enumerate(tree.levels):
         paths = tokens[tree.chains[parents, : depth + 1]]  # [n, depth+1]
-        top = heads.guesses(hidden.expand(len(parents), -1), lm_head, tree.topk_per_head(), depth + 1, embed(paths),
-                            first=depth)[0]  # [n, k]
+        top = heads.guesses(hidden.expand(len(parents), -1), lm_head, k, depth + 1, embed(paths), first=depth)[0]
         tokens[children] = top[rows, tree.ranks[children - 1]]
         tops.append(top)
     return tokens, tops
@@ -244,7 +251,8 @@ class Batch:
             tokens = tokens if step_tree is tree else tokens[node_index(tree.paths, step_tree.paths)]
         else:
             step_tree = tree.truncated(budget)
-            tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched)
+            tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched,
+                                      compiled=self.compiled, keep=row.guard.watching)
         # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
         return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None, nodes)
 

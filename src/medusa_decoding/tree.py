@@ -8,7 +8,7 @@ d places after the root). Nodes are ordered by depth, so parents come before chi
 import itertools
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -151,6 +151,16 @@ def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
         chains=chains,
         levels=tuple(levels),
     )
+
+
+@lru_cache(maxsize=256)
+def on_device(tree: Tree, device: torch.device) -> Tree:
+    """The tree with its index tensors on `device`, where the proposal indexes the heads' guesses with them (indices
+    on the host would be copied over at every use)."""
+    if device.type == "cpu":
+        return tree
+    moved = {f.name: getattr(tree, f.name).to(device) for f in fields(tree) if f.type is torch.Tensor}
+    return replace(tree, **moved, levels=tuple(tuple(t.to(device) for t in level) for level in tree.levels))
 
 
 @lru_cache(maxsize=256)
