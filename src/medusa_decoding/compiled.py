@@ -7,9 +7,10 @@ where shapes do not change, so a step here never changes shape with the context:
 whose every column the step attends (cache.py, `whole`: the mask hides the columns not in use), writes its nodes at
 a column tensor, builds its positions and mask inside the graph from the tree's tensors and the rows' lengths, and
 runs greedy acceptance inside too; the accepted paths move into place with one gather/scatter
-(`cache.gather_paths`). One graph then serves a tree size (and batch size) for every request and context length up
-to the capacity, and a step reads the device once (the accepted paths). The prefill stays eager: it runs once per
-request, at a length no two requests share.
+(`cache.gather_paths`), and the heads' proposal (decoding.candidates) is a graph of its own per tree. One graph then
+serves a tree size (and batch size) for every request and context length up to the capacity, and a step reads the
+device once (the accepted paths). The prefill stays eager: it runs once per request, at a length no two requests
+share.
 
 On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor
 caches what it compiled on disk (`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
