@@ -3,9 +3,10 @@
 # graphs), bfloat16: the shipped hydra heads with confident trees of 64 candidates (issue 21's GPU-sized budget),
 # beside the same heads' static calibrated trees of 64 and 16 (static64, static16) and the MEDUSA heads' of 64
 # (medusa64), plain decoding on the same engine and transformers generate. 16 turns (`--per-category 1`) take
-# about 6 minutes on an H100, most of it generate's and compiling. Writes $OUT.json and $OUT.png; extra arguments go to `medusa bench` (later ones win),
-# e.g. --sweep 4,8,16,32 --limit 4 for the static trees of other sizes, --dtype float32 for how close to lossless
-# float32 comes on a GPU (bfloat16's near-ties: benchmarks/bf16_lossless.py).
+# about 6 minutes on an H100, most of it generate's and compiling. Writes $OUT.json and $OUT.png; extra arguments
+# go to `medusa bench` (later ones win), e.g. --sweep 4,8,16,32 --limit 4 for the static trees of other sizes,
+# --dtype float32 for float32 (lossless on the H100's 8 turns: benchmarks/results/README.md; bfloat16's near-ties:
+# benchmarks/bf16_lossless.py).
 #   source /root/medusa-gpu/env.sh && QUESTIONS=<mt_bench_question.jsonl> benchmarks/mt_bench_gpu.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+from torch.utils._pytree import tree_map
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
@@ -77,20 +78,22 @@ def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int,
     each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`candidates`):
     guesses {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
     compiled: through the compiled engine's proposal graph (one per heads and tree); keep: False where the guard
-    reads no guesses (a fixed tree), which spares hydra heads' a read of the device.
+    reads no guesses (a fixed tree), which spares hydra heads a read of the device.
     """
     root_token = torch.tensor([root], device=hidden.device)
     if watched is None:
         return root_token, None
-    guess = engine.graph(candidates, hidden.device.type) if compiled else candidates
-    tokens, tops = guess(heads, lm_head, embed, hidden, root_token, on_device(watched, hidden.device),
-                         watched.topk_per_head())
+    args = (heads, lm_head, embed, hidden, root_token, on_device(watched, hidden.device), watched.topk_per_head())
+    if compiled:  # copies: a CUDA graph's outputs live until its next replay
+        tokens, tops = tree_map(torch.clone, engine.graph(candidates, hidden.device.type)(*args))
+    else:
+        tokens, tops = candidates(*args)
     tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths).to(tokens.device)]
     if heads.config.kind == "medusa" or not keep:
-        return tokens.clone(), tops.clone() if keep else None  # a CUDA graph's outputs live until its next replay
+        return tokens, tops if keep else None
     guesses = {(() if node == 0 else watched.paths[node - 1]): top
                for (nodes, _, _), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
-    return tokens.clone(), guesses
+    return tokens, guesses
 
 
 def candidates(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, tree: Tree, k: int
