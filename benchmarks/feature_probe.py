@@ -1,13 +1,16 @@
-"""Does head 0 of trained hydra heads guess better when it also reads earlier layers (EAGLE-3's fused features)?
+"""Does head 0 of trained hydra heads guess better when it also reads earlier layers (EAGLE-3's fused features), or
+when it also regresses the base model's next hidden state (EAGLE's feature loss)?
 
 A probe, not a training recipe: the frozen base model's features at every answer position of the training and
 calibration files are cached once (bfloat16), then head 0 of HEADS_DIR is trained further twice with the same
 batches, schedule and seed: as it is (`[h; e(root)]`, the shipped layout) and reading layers' outputs beside them
-(RMS-normalised without weights, their columns zero at the start so both variants start from the same logits). Its
+(RMS-normalised without weights, their columns zero at the start so both variants start from the same logits); with
+`--regress W`, a third time as it is, its loss plus W times the smooth L1 distance between its state (what the LM
+head projects) and h_t+1, the base model's state whose projection is the distribution of token t+2. Its
 rank-0 accuracy on the calibration files (never trained on) is printed after every epoch, over the guess vocabulary
 that the heads' calibration recorded, as the calibration counts it. Prints a table, writes JSON and a PNG beside it.
 usage: .venv/bin/python benchmarks/feature_probe.py --train FILE [FILE ...] --heldout FILE [FILE ...] --json PATH
-           [--heads DIR] [--layers 8 16 24] [--epochs 2] [--lr 5e-4]
+           [--heads DIR] [--layers 8 16 24] [--epochs 2] [--lr 5e-4] [--regress W]
 """
 
 import argparse
@@ -20,31 +23,35 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from medusa_decoding.config import HeadsConfig
 from medusa_decoding.default_model import shipped_heads
-from medusa_decoding.heads import MedusaHeads
+from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.model import load_base
-from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations
-from medusa_decoding.training.train import answer_positions
+from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
+from medusa_decoding.training.train import at_answers
 
 BATCH = 256
 
 
 def features(model, tokenizer, files: list[str], layers: list[int]) -> dict[str, torch.Tensor]:
     """At every position t whose token t+2 is an answer token: h_t [N, H], the layers' outputs at t [N, L, H]
-    (RMS-normalised), the root x_t+1 and the target x_t+2 [N]: as training reads them (answer_positions, for one
-    hydra head that reads the layers), a conversation at a time."""
+    (RMS-normalised), h_t+1 [N, H], the root x_t+1 and the target x_t+2 [N]: as training reads them (at_answers,
+    for one hydra head that reads the layers), a conversation at a time."""
     examples = build_examples(tokenizer, [chat for path in files for chat in read_conversations(path)], 2048)
     size = model.config.hidden_size
-    config = HeadsConfig(size, model.config.vocab_size, num_heads=1, kind="hydra", feature_layers=tuple(layers))
-    found = {"hidden": [], "layers": [], "root": [], "target": []}
-    positions = answer_positions(model, config, examples, pad_id=0, batch_size=1)
-    for state, targets, path in tqdm(positions, desc=f"features of {len(examples)} conversations",
-                                     total=len(examples), unit="conversation"):
-        found["hidden"].append(state[:, :size].bfloat16())
-        found["layers"].append(state[:, size:].unflatten(-1, (len(layers), size)).bfloat16())
-        found["root"].append(path[:, 0])
-        found["target"].append(targets[0])
+    found = {"hidden": [], "layers": [], "next": [], "root": [], "target": []}
+    with torch.no_grad():
+        for example in tqdm(examples, desc=f"features of {len(examples)} conversations", unit="conversation"):
+            batch = collate([example], pad_id=0)
+            hidden, state = run_backbone(model, tuple(layers), input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"])
+            following = torch.cat([hidden[:, 1:], hidden[:, -1:] * 0], 1)  # h_t+1 (the last t is no answer's)
+            state, targets, path, _ = at_answers(torch.cat([state, following], -1), batch["input_ids"],
+                                                 batch["labels"], 1)
+            found["hidden"].append(state[:, :size].bfloat16())
+            found["layers"].append(state[:, size:-size].unflatten(-1, (len(layers), size)).bfloat16())
+            found["next"].append(state[:, -size:].bfloat16())
+            found["root"].append(path[:, 0])
+            found["target"].append(targets[0])
     return {name: torch.cat(parts) for name, parts in found.items()}
 
 
@@ -60,12 +67,15 @@ class Head0(torch.nn.Module):
         self.bias = torch.nn.Parameter(linear.bias.float().clone())
         self.rows, self.embed, self.extra = rows, embed, extra
 
-    def forward(self, data: dict, index: torch.Tensor) -> torch.Tensor:
+    def state(self, data: dict, index: torch.Tensor) -> torch.Tensor:
         h = data["hidden"][index].float()
         inputs = [h, self.embed[data["root"][index]]]
         if self.extra:
             inputs.append(data["layers"][index].float().flatten(1))
-        return (h + F.silu(F.linear(torch.cat(inputs, 1), self.weight, self.bias))) @ self.rows.T
+        return h + F.silu(F.linear(torch.cat(inputs, 1), self.weight, self.bias))
+
+    def forward(self, data: dict, index: torch.Tensor) -> torch.Tensor:
+        return self.state(data, index) @ self.rows.T
 
 
 @torch.no_grad()
@@ -75,9 +85,10 @@ def accuracy(head: Head0, data: dict, vocab: torch.Tensor) -> float:
     return hits / len(data["target"])
 
 
-def train(head: Head0, data: dict, heldout: dict, vocab: torch.Tensor, epochs: int, lr: float) -> list[float]:
-    """AdamW, 20 warm-up steps, cosine decay; the same batches for every variant. Returns held-out accuracy before
-    training and after each epoch."""
+def train(head: Head0, data: dict, heldout: dict, vocab: torch.Tensor, epochs: int, lr: float, regress: float = 0.0
+          ) -> list[float]:
+    """AdamW, 20 warm-up steps, cosine decay; the same batches for every variant (regress: the weight of the smooth
+    L1 distance to h_t+1 beside the cross-entropy). Returns held-out accuracy before training and after each epoch."""
     place = torch.full((head.embed.shape[0],), IGNORE_INDEX).index_copy_(0, vocab, torch.arange(len(vocab)))
     targets = place[data["target"]]
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
@@ -88,7 +99,10 @@ def train(head: Head0, data: dict, heldout: dict, vocab: torch.Tensor, epochs: i
                           leave=False):
             for group in optimizer.param_groups:
                 group["lr"] = lr * min(1, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / steps))
-            loss = F.cross_entropy(head(data, index), targets[index], ignore_index=IGNORE_INDEX)
+            state = head.state(data, index)
+            loss = F.cross_entropy(state @ head.rows.T, targets[index], ignore_index=IGNORE_INDEX)
+            if regress:
+                loss = loss + regress * F.smooth_l1_loss(state, data["next"][index].float())
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -106,6 +120,7 @@ def main() -> None:
     parser.add_argument("--layers", nargs="+", type=int, default=[8, 16, 24])
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--regress", type=float, default=0.0, help="also train a variant that regresses h_t+1")
     args = parser.parse_args()
     torch.manual_seed(0)
     model, tokenizer = load_base(None, torch.bfloat16)
@@ -118,14 +133,18 @@ def main() -> None:
     heldout = features(model, tokenizer, args.heldout, args.layers)
     data = features(model, tokenizer, args.train, args.layers)
     results = {"heads": str(args.heads), "layers": args.layers, "epochs": args.epochs, "lr": args.lr,
-               "train_positions": len(data["target"]), "heldout_positions": len(heldout["target"]), "variants": {}}
-    for name, extra in (("tokens (shipped layout)", 0), (f"tokens + layers {args.layers}", len(args.layers))):
+               "regress": args.regress, "train_positions": len(data["target"]),
+               "heldout_positions": len(heldout["target"]), "variants": {}}
+    variants = [("tokens (shipped layout)", 0, 0.0), (f"tokens + layers {args.layers}", len(args.layers), 0.0)]
+    if args.regress:
+        variants.append((f"tokens, regressing h_t+1 (x{args.regress:g})", 0, args.regress))
+    for name, extra, regress in variants:
         start = time.perf_counter()
-        curve = train(Head0(heads, rows, embed, extra), data, heldout, vocab, args.epochs, args.lr)
+        curve = train(Head0(heads, rows, embed, extra), data, heldout, vocab, args.epochs, args.lr, regress)
         results["variants"][name] = {"heldout_top1": curve, "seconds": time.perf_counter() - start}
-    print(f"{'head 0 reads':<32}" + "".join(f"{'epoch ' + str(e):>10}" for e in range(args.epochs + 1)))
+    print(f"{'head 0':<40}" + "".join(f"{'epoch ' + str(e):>10}" for e in range(args.epochs + 1)))
     for name, result in results["variants"].items():
-        print(f"{name:<32}" + "".join(f"{a:>10.4f}" for a in result["heldout_top1"]))
+        print(f"{name:<40}" + "".join(f"{a:>10.4f}" for a in result["heldout_top1"]))
     Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
     plot(results, Path(args.json).with_suffix(".png"))
 
@@ -141,7 +160,7 @@ def plot(results: dict, path: Path) -> None:
         axes.plot(range(len(result["heldout_top1"])), result["heldout_top1"], marker="o", label=name)
     axes.set_xlabel(f"epochs over {results['train_positions']} answer positions (lr {results['lr']}, cosine)")
     axes.set_ylabel(f"head 0 top-1, {results['heldout_positions']} held-out positions")
-    axes.set_title("head 0 of the shipped hydra heads, trained further")
+    axes.set_title(f"head 0 of the hydra heads in {Path(results['heads']).name}/, trained further")
     axes.grid(alpha=0.3)
     axes.legend()
     figure.tight_layout()
