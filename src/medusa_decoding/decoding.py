@@ -88,7 +88,7 @@ def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int,
         tokens, tops = tree_map(torch.clone, engine.graph(candidates, hidden.device.type)(*args))
     else:
         tokens, tops = candidates(*args)
-    tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths).to(tokens.device)]
+    tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths, tokens.device)]
     if heads.config.kind == "medusa" or not keep:
         return tokens, tops if keep else None
     guesses = {(() if node == 0 else watched.paths[node - 1]): top
@@ -251,7 +251,7 @@ class Batch:
             tree, tokens, guesses = propose_confident(self.heads, self.lm_head, self.embed, row.hidden, row.root,
                                                       tree.num_nodes - 1, watched.num_nodes - 1)
             step_tree = tree.truncated(budget)
-            tokens = tokens if step_tree is tree else tokens[node_index(tree.paths, step_tree.paths)]
+            tokens = tokens if step_tree is tree else tokens[node_index(tree.paths, step_tree.paths, tokens.device)]
         else:
             step_tree = tree.truncated(budget)
             tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, step_tree, watched,

@@ -106,10 +106,12 @@ def build(paths: tuple[tuple[int, ...], ...]) -> Tree:
 
 
 @lru_cache(maxsize=256)
-def node_index(paths: tuple[tuple[int, ...], ...], sub: tuple[tuple[int, ...], ...]) -> torch.Tensor:
-    """[M+1] the index in the tree of `paths` of each node of its subtree `sub` (root first)."""
+def node_index(paths: tuple[tuple[int, ...], ...], sub: tuple[tuple[int, ...], ...], device: torch.device
+               ) -> torch.Tensor:
+    """[M+1] the index in the tree of `paths` of each node of its subtree `sub` (root first), on `device` (where the
+    tokens it picks lie: cached there, not copied over at every step)."""
     index = {p: i + 1 for i, p in enumerate(paths)}
-    return torch.tensor([0] + [index[p] for p in sub])
+    return torch.tensor([0] + [index[p] for p in sub], device=device)
 
 
 @lru_cache(maxsize=64)
