@@ -1,0 +1,266 @@
+"""Does a decoder layer over the prefix (EAGLE's draft model, Hydra++'s prefix attention) lift head 0 of the hydra
+heads, given the data and epochs a GPU trains on in minutes?
+
+Head 0 of the hydra heads guesses token t+2 from h_t and the root's embedding e(x_t+1): one MLP, no look at the
+prefix beyond what h_t holds. The variants add one causal decoder layer over the fused inputs [h_i; e(x_i+1)] of
+every position up to t (what EAGLE's draft model reads), its weights copied from the base model's last layer and its
+output projections zeroed, so that every variant starts from the shipped head's logits. Same conversation batches,
+schedule and seed for all; held-out top-1 over the guess vocabulary (the heads' calibration's) after every epoch,
+beside the ceiling: the base model's own argmax at t+1, what a perfect draft of the base model would guess.
+Variants: the MLP alone (trained further), + the layer, + the layer at a fifth of the learning rate, + the layer on
+the teacher's distribution (Hydra++'s target: softmax of the base model's logits at t+1, over the guess vocabulary),
++ the layer on half the conversations.
+Prints a table, writes JSON (after every variant) and a PNG beside it, and the layer variant's weights.
+usage: python benchmarks/draft_layer_probe.py --train FILE [FILE ...] --heldout FILE [FILE ...] --json PATH
+           [--heads DIR] [--epochs 8] [--lr 5e-4] [--batch-tokens 8192] [--limit N] [--device cuda]
+"""
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.heads import MedusaHeads, run_backbone
+from medusa_decoding.model import load_base
+from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
+from medusa_decoding.training.train import future_labels
+
+WARMUP = 20
+
+
+def features(model, tokenizer, files: list[str], limit: int | None, batch_size: int = 16) -> list[dict]:
+    """Per conversation (the frozen model, teacher-forced): h [T, H] (bfloat16), ids [T], target [T] = the answer
+    token two ahead (IGNORE_INDEX elsewhere). Kept on the model's device."""
+    examples = build_examples(tokenizer, [chat for path in files for chat in read_conversations(path)], 2048)
+    examples = sorted(examples[:limit], key=lambda e: len(e["input_ids"]))
+    found = []
+    with torch.no_grad():
+        for start in tqdm(range(0, len(examples), batch_size), desc=f"features of {len(examples)} conversations"):
+            group = examples[start: start + batch_size]
+            batch = {k: v.to(model.device) for k, v in collate(group, pad_id=0).items()}
+            hidden, _ = run_backbone(model, input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+            target = future_labels(batch["labels"], 2)
+            for row, example in enumerate(group):
+                size = len(example["input_ids"])
+                found.append({"h": hidden[row, :size].bfloat16(), "ids": batch["input_ids"][row, :size],
+                              "target": target[row, :size]})
+    return found
+
+
+def batches(data: list[dict], tokens: int) -> list[list[int]]:
+    """Consecutive conversations (sorted by length) up to `tokens` padded tokens a batch."""
+    groups, group = [], []
+    for i, example in enumerate(data):
+        if group and (len(group) + 1) * len(example["ids"]) > tokens:
+            groups.append(group)
+            group = []
+        group.append(i)
+    return groups + [group]
+
+
+def padded(data: list[dict], group: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """h [B, T, H] float, ids [B, T], target [B, T] of a batch, right-padded (causal attention never reads padding)."""
+    width = max(len(data[i]["ids"]) for i in group)
+
+    def stack(name: str, value) -> torch.Tensor:
+        return torch.stack([F.pad(data[i][name], (0, 0, 0, width - len(data[i][name])) if name == "h" else
+                                  (0, width - len(data[i][name])), value=value) for i in group])
+
+    return stack("h", 0.0).float(), stack("ids", 0), stack("target", IGNORE_INDEX)
+
+
+class DraftHead(torch.nn.Module):
+    """Head 0 of hydra heads, h + SiLU(W [h; e(root)] + b), plus (with `layer`) one causal decoder layer over
+    fuse([h_i; e(x_i+1)]) of every position, whose output it adds: projected onto the guess vocabulary's LM rows."""
+
+    def __init__(self, heads: MedusaHeads, base, rows: torch.Tensor, embed: torch.Tensor, layer: bool):
+        super().__init__()
+        linear = heads.heads[0][0].linear
+        self.weight = torch.nn.Parameter(linear.weight.float().clone())
+        self.bias = torch.nn.Parameter(linear.bias.float().clone())
+        self.rows, self.embed, self.rotary, self.layer = rows, embed, base.model.rotary_emb, layer
+        if layer:
+            last, size = base.model.layers[-1], embed.shape[1]
+            attention, mlp = last.self_attn, last.mlp
+            self.fuse = torch.nn.Parameter(torch.cat([torch.eye(size), torch.eye(size)], 1))
+            copied = {"q": attention.q_proj, "k": attention.k_proj, "v": attention.v_proj,
+                      "gate": mlp.gate_proj, "up": mlp.up_proj}
+            self.linears = torch.nn.ParameterDict({n: torch.nn.Parameter(m.weight.detach().float().clone())
+                                                   for n, m in copied.items()})
+            self.linears["o"] = torch.nn.Parameter(torch.zeros_like(attention.o_proj.weight, dtype=torch.float))
+            self.linears["down"] = torch.nn.Parameter(torch.zeros_like(mlp.down_proj.weight, dtype=torch.float))
+            self.norms = torch.nn.ParameterList([torch.nn.Parameter(n.weight.detach().float().clone())
+                                                 for n in (last.input_layernorm, last.post_attention_layernorm)])
+            self.heads, self.kv_heads = base.config.num_attention_heads, base.config.num_key_value_heads
+
+    def prefix(self, h: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
+        """The decoder layer's residual output over x = fuse([h; e(root)]): [B, T, H] -> [B, T, H]."""
+        x = torch.cat([h, root], -1) @ self.fuse.T
+        w, (batch, width, size) = self.linears, x.shape
+        a = F.rms_norm(x, (size,), self.norms[0])
+        q, k, v = ((a @ w[n].T).unflatten(-1, (-1, size // self.heads)).transpose(1, 2) for n in "qkv")
+        cos, sin = self.rotary(x, torch.arange(width, device=x.device)[None])
+        q, k = ((t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]], -1)
+                 * sin[:, None]) for t in (q, k))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        y = x + attended.transpose(1, 2).flatten(2) @ w["o"].T
+        m = F.rms_norm(y, (size,), self.norms[1])
+        return y + (F.silu(m @ w["gate"].T) * (m @ w["up"].T)) @ w["down"].T - x
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """h [B, T, H], ids [B, T] -> head 0's state at every t [B, T, H] (root: x_t+1; the last t has none)."""
+        root = self.embed[torch.cat([ids[:, 1:], ids[:, -1:]], 1)]
+        state = h + F.silu(torch.cat([h, root], -1) @ self.weight.T + self.bias)
+        return state + self.prefix(h, root) if self.layer else state
+
+
+def targets_in(vocab: torch.Tensor, size: int) -> torch.Tensor:
+    """token id -> its column among the guess rows, IGNORE_INDEX where it is not one."""
+    return torch.full((size,), IGNORE_INDEX, device=vocab.device).index_copy_(
+        0, vocab, torch.arange(len(vocab), device=vocab.device))
+
+
+@torch.no_grad()
+def accuracy(head: DraftHead, data: list[dict], groups: list[list[int]], vocab: torch.Tensor) -> float:
+    hits = total = 0
+    for group in groups:
+        h, ids, target = padded(data, group)
+        keep = target != IGNORE_INDEX
+        hits += (vocab[(head(h, ids)[keep] @ head.rows.T).argmax(-1)] == target[keep]).sum().item()
+        total += keep.sum().item()
+    return hits / total
+
+
+@torch.no_grad()
+def ceiling(base, data: list[dict], groups: list[list[int]]) -> float:
+    """The base model's argmax at t+1 (the full vocabulary) against the answer token at t+2."""
+    hits = total = 0
+    for group in groups:
+        h, _, target = padded(data, group)
+        keep = target[:, :-1] != IGNORE_INDEX
+        guess = base.lm_head(h[:, 1:][keep].to(base.lm_head.weight.dtype)).argmax(-1)
+        hits += (guess == target[:, :-1][keep]).sum().item()
+        total += keep.sum().item()
+    return hits / total
+
+
+def train(head: DraftHead, data: list[dict], heldout: tuple, vocab: torch.Tensor, args, teacher: bool,
+          layer_lr: float) -> list[float]:
+    """AdamW, warm-up then cosine decay (the layer's parameters at layer_lr times the MLP's), batches in a seeded
+    order. Loss: cross-entropy to the answer token among
+    the guess rows, or (teacher) to softmax of the base model's logits at t+1 over them. Returns held-out top-1
+    before training and after every epoch."""
+    place = targets_in(vocab, head.embed.shape[0])
+    groups = batches(data, args.batch_tokens)
+    mlp = [head.weight, head.bias]
+    layer = [p for p in head.parameters() if all(p is not q for q in mlp)]
+    optimizer = torch.optim.AdamW([{"params": mlp, "scale": 1.0}, {"params": layer, "scale": layer_lr}],
+                                  weight_decay=0.0)
+    generator = torch.Generator().manual_seed(0)
+    steps, step, curve = args.epochs * len(groups), 0, [accuracy(head, *heldout, vocab)]
+    for epoch in range(args.epochs):
+        for g in tqdm(torch.randperm(len(groups), generator=generator).tolist(), desc=f"epoch {epoch}", leave=False):
+            for group in optimizer.param_groups:
+                group["lr"] = group["scale"] * args.lr * min(1, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            h, ids, target = padded(data, groups[g])
+            keep = target != IGNORE_INDEX
+            logits = head(h, ids)[keep] @ head.rows.T
+            if teacher:
+                soft = (torch.cat([h[:, 1:], h[:, -1:]], 1)[keep] @ head.rows.T).softmax(-1)
+                loss = F.cross_entropy(logits, soft)
+            else:
+                loss = F.cross_entropy(logits, place[target[keep]], ignore_index=IGNORE_INDEX)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+        curve.append(accuracy(head, *heldout, vocab))
+        print(f"  epoch {epoch}: held-out top-1 {curve[-1]:.4f}", flush=True)
+    return curve
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--train", nargs="+", required=True)
+    parser.add_argument("--heldout", nargs="+", required=True)
+    parser.add_argument("--json", required=True)
+    parser.add_argument("--heads", type=Path, default=shipped_heads())
+    parser.add_argument("--epochs", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--batch-tokens", type=int, default=8192)
+    parser.add_argument("--limit", type=int, default=None, help="conversations per file list (a rehearsal)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    torch.backends.cuda.matmul.allow_tf32 = True
+    start = time.perf_counter()
+    base, tokenizer = load_base(None, torch.bfloat16, device=args.device)
+    heads = MedusaHeads.from_pretrained(args.heads)
+    if heads.config.kind != "hydra":
+        raise SystemExit(f"{args.heads}: MEDUSA heads; the probe extends a hydra head")
+    vocab = torch.tensor(json.loads((args.heads / "accuracy.json").read_text())["guess_vocab"], device=args.device)
+    rows = base.get_output_embeddings().weight.detach().float()[vocab]
+    embed = base.get_input_embeddings().weight.detach().float()
+    heldout_data = features(base, tokenizer, args.heldout, args.limit)
+    data = features(base, tokenizer, args.train, args.limit)
+    heldout = (heldout_data, batches(heldout_data, args.batch_tokens))
+    json_path = Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    results = {"heads": str(args.heads), "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
+               "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+               "train_conversations": len(data),
+               "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in data),
+               "heldout_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in heldout_data),
+               "ceiling_base_argmax": ceiling(base, *heldout), "features_seconds": time.perf_counter() - start,
+               "variants": {}}
+    print(f"ceiling (the base model's argmax at t+1): {results['ceiling_base_argmax']:.4f}", flush=True)
+    half = data[::2]
+    variants = [("MLP (the shipped head 0)", False, False, 1.0, data), ("MLP + decoder layer", True, False, 1.0, data),
+                ("MLP + decoder layer at lr / 5", True, False, 0.2, data),
+                ("MLP + decoder layer, teacher's distribution", True, True, 1.0, data),
+                ("MLP + decoder layer, half the conversations", True, False, 1.0, half)]
+    for name, layer, teacher, layer_lr, subset in variants:
+        print(name, flush=True)
+        began = time.perf_counter()
+        head = DraftHead(heads, base, rows, embed, layer).to(args.device)
+        curve = train(head, subset, heldout, vocab, args, teacher, layer_lr)
+        results["variants"][name] = {"heldout_top1": curve, "seconds": time.perf_counter() - began,
+                                     "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in subset)}
+        json_path.write_text(json.dumps(results, indent=2) + "\n")
+        if name == "MLP + decoder layer":
+            save_file({k: v.detach().bfloat16().contiguous().cpu() for k, v in head.named_parameters()},
+                      str(json_path.with_suffix(".safetensors")))
+    print(f"{'head 0, held-out top-1':<48}" + "".join(f"{'epoch ' + str(e):>9}" for e in range(args.epochs + 1)))
+    for name, result in results["variants"].items():
+        print(f"{name:<48}" + "".join(f"{a:>9.4f}" for a in result["heldout_top1"]))
+    plot(results, json_path.with_suffix(".png"))
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(7.5, 4.5))
+    for name, result in results["variants"].items():
+        axes.plot(range(len(result["heldout_top1"])), result["heldout_top1"], marker="o", label=name)
+    axes.axhline(results["ceiling_base_argmax"], color="grey", linestyle="--", label="the base model's own argmax")
+    axes.set_xlabel(f"epochs over up to {results['train_positions']} answer positions (lr {results['lr']}, cosine)")
+    axes.set_ylabel(f"head 0 top-1, {results['heldout_positions']} held-out positions")
+    axes.set_title(f"head 0 with a decoder layer over the prefix ({results['device']})")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
