@@ -5,6 +5,7 @@ from conftest import tiny_model
 
 from medusa_decoding.config import HeadsConfig
 from medusa_decoding.heads import MedusaHeads
+from medusa_decoding.training.train import prefix_shape
 
 WEIGHT_STD = 0.3  # tiny models at their init scale (0.02) repeat one token; this makes them wander
 ORACLE_RANK0, ORACLE_RANK1 = 0.7, 0.9  # luck below 0.7: rank 0, below 0.9: rank 1, else not proposed
@@ -26,12 +27,13 @@ def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
     return model
 
 
-def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=()) -> MedusaHeads:
+def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=(),
+                 prefix: bool = False) -> MedusaHeads:
     """Shared-projection heads with random residual blocks: their guesses are mostly wrong (a hydra head's differ
-    from path to path; heads with feature layers read those too)."""
+    from path to path; heads with feature layers read those too; prefix: hydra heads with a random prefix layer)."""
     config = model.config.get_text_config()
     heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, kind=kind,
-                                    feature_layers=feature_layers))
+                                    feature_layers=feature_layers, prefix_layer=prefix_shape(model) if prefix else None))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in heads.parameters():
@@ -87,6 +89,7 @@ class OracleHeads(torch.nn.Module):
         self.register_buffer("noise", torch.randn(len(sequence), num_heads, vocab_size, generator=generator))
         self.register_buffer("luck", torch.rand(len(sequence), num_heads, generator=generator))
 
+    prefix = None  # no prefix layer
     check_compatible = MedusaHeads.check_compatible
     guesses = MedusaHeads.guesses
     guess_rows = MedusaHeads.guess_rows

@@ -44,10 +44,12 @@ def batched(model, heads, configs, eos_ids=frozenset(), seeds=None) -> list[list
     return outs
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra with a prefix layer"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_every_row_of_a_batch_is_its_greedy_decoding_alone(family):
+def test_every_row_of_a_batch_is_its_greedy_decoding_alone(family, kind):
+    """Rows join and leave at their own steps; hydra heads' prefix layer keeps its keys and values per row."""
     model = lively_model(family, seed=FAMILIES.index(family))
-    heads = random_heads(model)
+    heads = random_heads(model) if kind == "medusa" else random_heads(model, kind="hydra", prefix=True)
     configs = [GenerationConfig(max_new_tokens=n) for n in BUDGETS]
     outs = batched(model, heads, configs)
     for i, (prompt, config) in enumerate(zip(PROMPTS, configs)):

@@ -60,13 +60,14 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 @needs_compiler
 # fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path
-@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("medusa", (1,)), ("hydra", ())], ids=["medusa", "fused", "hydra"])
-def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
+@pytest.mark.parametrize("kind, layers, prefix", [("medusa", (), False), ("medusa", (1,), False), ("hydra", (), False),
+                                                  ("hydra", (), True)], ids=["medusa", "fused", "hydra", "hydra-prefix"])
+def test_compiled_batch_decodes_each_row_as_alone(kind, layers, prefix):
     model = lively_model("qwen2")
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
-    batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind), compiled=True)
+    batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind, prefix=prefix), compiled=True)
     rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
             for prompt, n in zip(prompts, budgets)]
     produced = {id(row): [row.root] for row in rows}

@@ -192,7 +192,7 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
 def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time, as training reads
-    them: (the heads' input state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target,
+    them: (the heads' input state [n, S] (heads.run_backbone, heads.prefix_state) at each position t where some head has a target,
     targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t
     [n, K, H] (else None), roots [n]: token t+1)."""
     from .training import train
@@ -201,7 +201,7 @@ def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateC
     model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
     examples = build_examples(tokenizer, conversations, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for state, targets, path in train.answer_positions(model, heads.config, examples, pad_id, config.batch_size):
+    for state, targets, path in train.answer_positions(model, heads, examples, pad_id, config.batch_size):
         yield state, targets, train.path_embeddings(heads.config, model.get_input_embeddings(), path), path[:, 0]
 
 

@@ -359,6 +359,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--feature-layers", nargs="+", type=int, default=TRAIN.feature_layers, metavar="LAYER",
         help="the heads also read these layers' outputs (RMS-normalised) beside the last hidden state, e.g. 8 16 24 "
              "(EAGLE-3's fused features; --init-heads without them start at zero weights)")
+    add("--prefix-layer", action="store_true",
+        help="hydra: also train a causal decoder layer over the prefix whose output head 0 adds (EAGLE's draft layer; "
+             "the base model's last layer copied, its output at zero); whole conversations, no --position-batch")
     add("--epochs", type=float, default=TRAIN.epochs)
     add("--max-steps", type=int, default=TRAIN.max_steps, help="stop after this many steps (overrides --epochs)")
     add("--lr", dest="learning_rate", metavar="LR", type=float, default=TRAIN.learning_rate,

@@ -49,11 +49,10 @@ def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) 
 def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = False, layers: tuple[int, ...] = (),
             **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H]: the last
-    hidden states, and the outputs of the heads' feature `layers`: heads.run_backbone); `last`: only the last
-    position's (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
+    hidden states, and the outputs of the heads' feature `layers`: heads.run_backbone); `last`: the last position's
+    logits only (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
     hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True, **kw)
-    hidden, state = (hidden[:, -1:], state[:, -1:]) if last else (hidden, state)
-    return model.get_output_embeddings()(hidden), state
+    return model.get_output_embeddings()(hidden[:, -1:] if last else hidden), state
 
 
 def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> int:
@@ -62,11 +61,11 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
 
 def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
             ) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and the heads' input state at the last
-    position)."""
+    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] at the last position and the heads' input
+    states [T, S] at every one)."""
     cache = kv.allocate(model, capacity)
-    logits, hidden = forward(model, prompt[None], cache, last=True, layers=layers)
-    return cache, logits[0, -1], hidden[0, -1]
+    logits, states = forward(model, prompt[None], cache, last=True, layers=layers)
+    return cache, logits[0, -1], states[0]
 
 
 def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
@@ -190,9 +189,10 @@ class Row:
     eos_ids: frozenset[int]
     generator: torch.Generator | None
     root: int  # the last token produced: the root of the next step's tree
-    hidden: torch.Tensor  # [H] the base model's last hidden state before the root, which the heads guess from
+    hidden: torch.Tensor | None  # [S] the heads' input state before the root (Batch.looked), which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
     produced: int = 1  # tokens produced so far, the root included
+    prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # the heads' prefix layer's keys and values (heads.py)
 
     @property
     def done(self) -> bool:
@@ -233,14 +233,27 @@ class Batch:
             if tree.num_nodes > 1:
                 tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
         with torch.inference_mode():
-            cache, logits, hidden = prefill(self.model, prompt, prompt.shape[-1], self.layers)
+            cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
             root = first_token(logits, config, generator)
-            row = Row(config, Guard(ladder, root), eos_ids, generator, root, hidden, prompt.shape[-1])
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, None, prompt.shape[-1])
+            if config.medusa and self.heads is not None and self.heads.prefix is not None:
+                row.prefix = self.heads.prefix.buffers_for(row.length + config.max_new_tokens, states)
+            row.hidden = self.looked(row, states, torch.cat([prompt[1:], prompt.new_tensor([root])]), row.length)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
                 self.rows.append(row)
         return row
+
+    def looked(self, row: Row, states: torch.Tensor, following: torch.Tensor, length: int) -> torch.Tensor:
+        """The heads' input state at the row's last position, from `states` [n, S] of its n newest positions (the
+        prefill's or a step's committed path, the last n of `length`) whose next tokens are `following` [n]: the
+        last one's, and with a prefix layer (row.prefix) its output there, after it has read the n positions."""
+        if row.prefix is None:
+            return states[-1]
+        start, size = length - len(states), self.heads.config.hidden_size
+        looked = self.heads.prefix(states[None, :, :size], self.embed(following)[None], *row.prefix, start)
+        return torch.cat([states[-1], looked[0, -1]])
 
     def plan(self, row: Row, pooled: list[float] | None) -> Plan:
         """Propose: the row's tree for this step (its guard weighs it at this batch's size, with the batch's mean
@@ -293,6 +306,9 @@ class Batch:
                 engine.commit(self.cache, lengths, paths, width, lengths_t)
             else:  # eager, or a plain compiled step, whose token is in place already
                 kv.commit(self.cache, lengths, paths)
+            for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
+                following = torch.cat([plan.tokens[path[1:]], plan.tokens.new_tensor([root])])
+                row.hidden = self.looked(row, hidden[b, path], following, row.length + len(path))
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
@@ -303,7 +319,7 @@ class Batch:
                     break
             # a batch's step time is shared: only a batch of one times its tree
             row.guard.record(plan.guesses, new, seconds if plan.timed and len(rows) == 1 else None, row.length)
-            row.root, row.hidden, row.length = root, hidden[b, path[-1]], row.length + len(path)
+            row.root, row.length = root, row.length + len(path)
             row.produced += len(new)
             events.append((row, new, plan.tree.num_nodes - 1))
         for row in rows:

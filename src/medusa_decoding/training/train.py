@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..config import HeadsConfig, TrainConfig
-from ..heads import MedusaHeads, run_backbone
+from ..config import HeadsConfig, PrefixConfig, TrainConfig
+from ..heads import MedusaHeads, prefix_state, run_backbone
 from ..model import ADAPTER_NAME, MERGED_NAME, load_base, untie_output_embeddings
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
 
@@ -75,16 +75,17 @@ def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tenso
 
 
 @torch.no_grad()
-def answer_positions(model: PreTrainedModel, config: HeadsConfig, examples: list[dict], pad_id: int,
+def answer_positions(model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
                      batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     """The frozen model's answer positions in `examples`, teacher-forced, a batch of examples at a time: (the heads'
-    input state [n, S] (heads.run_backbone), targets [K, n], path [n, K]), as at_answers gives them. Calibration and
-    AnswerStates read the heads' inputs through here."""
+    input state [n, S] (heads.run_backbone, heads.prefix_state), targets [K, n], path [n, K]), as at_answers gives
+    them. Calibration and AnswerStates read the heads' inputs through here."""
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(model.device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
-        _, state = run_backbone(model, config.feature_layers, input_ids=batch["input_ids"],
+        _, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
                                 attention_mask=batch["attention_mask"])
-        yield at_answers(state, batch["input_ids"], batch["labels"], config.num_heads)[:3]
+        state = prefix_state(heads, model.get_input_embeddings(), state, batch["input_ids"])
+        yield at_answers(state, batch["input_ids"], batch["labels"], heads.config.num_heads)[:3]
 
 
 class AnswerStates(torch.utils.data.Dataset):
@@ -93,11 +94,11 @@ class AnswerStates(torch.utils.data.Dataset):
     get many more updates per hour: benchmarks/feature_probe.py showed head 0 held back by its number of updates.
     Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K)."""
 
-    def __init__(self, model: PreTrainedModel, config: HeadsConfig, examples: list[dict], pad_id: int,
+    def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
                  batch_size: int, what: str):
         from tqdm.auto import tqdm
 
-        batches = tqdm(answer_positions(model, config, examples, pad_id, batch_size), desc=f"states of {what}",
+        batches = tqdm(answer_positions(model, heads, examples, pad_id, batch_size), desc=f"states of {what}",
                        total=math.ceil(len(examples) / batch_size), unit="batch")
         states, targets, paths = zip(*((s.cpu(), t.cpu(), p.cpu()) for s, t, p in batches))
         self.state, self.targets, self.path = torch.cat(states), torch.cat(targets, 1).T.contiguous(), torch.cat(paths)
@@ -186,6 +187,7 @@ class MedusaTrainingModel(nn.Module):
         if state is None:
             with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
                 hidden, states = self.hidden_states(input_ids, attention_mask)
+            states = prefix_state(self.heads, self.causal_lm.get_input_embeddings(), states, input_ids)
             state, targets, path, rows = at_answers(states, input_ids, labels, num_heads)
         else:
             targets = targets.T
@@ -307,10 +309,11 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
     lm_head = model.get_output_embeddings()
     vocab_size = lm_head.weight.shape[0]
     wanted = HeadsConfig(hidden_size, vocab_size, config.num_heads, config.num_layers, config.projection,
-                         model.name_or_path, config.kind, config.feature_layers)
+                         model.name_or_path, config.kind, config.feature_layers,
+                         prefix_shape(model) if config.prefix_layer else None)
     num_layers = model.config.get_text_config().num_hidden_layers
     if init_heads is None:
-        heads = MedusaHeads(wanted, lm_head)
+        heads = with_prefix(MedusaHeads(replace(wanted, prefix_layer=None), lm_head), model, wanted.prefix_layer)
     else:
         heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
         heads.check_compatible(hidden_size, vocab_size, model.name_or_path)  # another model's: say so first
@@ -320,7 +323,9 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
             heads = deepened(heads, wanted.num_layers)
         if not heads.config.feature_layers and wanted.feature_layers:
             heads = with_features(heads, wanted.feature_layers)
-        for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers"):
+        if heads.config.prefix_layer is None:
+            heads = with_prefix(heads, model, wanted.prefix_layer)
+        for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers", "prefix_layer"):
             if getattr(heads.config, name) != getattr(wanted, name):
                 raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
                                  f"but training asks for {name}={getattr(wanted, name)!r}")
@@ -338,6 +343,37 @@ def with_tokens(heads: MedusaHeads) -> MedusaHeads:
         state[name] = torch.cat([state[name], state[name].new_zeros(state[name].shape[0], (k + 1) * state[name].shape[1])], 1)
     hydra.load_state_dict(state)
     return hydra
+
+
+def prefix_shape(model: PreTrainedModel) -> PrefixConfig:
+    """A prefix layer shaped as the base model's decoder layers."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
+    return PrefixConfig(heads, getattr(config, "num_key_value_heads", None) or heads,
+                        getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
+                        float(rope or PrefixConfig.rope_theta), float(getattr(config, "rms_norm_eps", PrefixConfig.rms_norm_eps)))
+
+
+def with_prefix(heads: MedusaHeads, model: PreTrainedModel, prefix: PrefixConfig | None) -> MedusaHeads:
+    """Heads with a prefix layer that give the same logits (its output projections at zero), the rest of it copied
+    from the base model's last decoder layer where that has Llama's names and shapes (else its own initialisation);
+    `prefix` None: the heads as they are."""
+    if prefix is None:
+        return heads
+    looking = MedusaHeads(replace(heads.config, prefix_layer=prefix))
+    looking.heads.load_state_dict(heads.heads.state_dict())
+    last = dict(model.get_decoder().layers[-1].named_parameters())
+    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
+             "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "input_norm": "input_layernorm",
+             "post_norm": "post_attention_layernorm"}
+    for mine, theirs in names.items():
+        target = getattr(looking.prefix, mine)
+        target = target.weight if isinstance(target, nn.Module) else target
+        source = last.get(theirs + ".weight")
+        if source is not None and source.shape == target.shape:
+            target.data.copy_(source.detach().float())
+    return looking
 
 
 def with_features(heads: MedusaHeads, layers: tuple[int, ...]) -> MedusaHeads:
@@ -448,7 +484,7 @@ def train(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
     train_data, eval_data, collator = train_set, eval_set or None, partial(collate, pad_id=pad_id)
     if config.position_batch:
-        states = partial(AnswerStates, model, heads.config, pad_id=pad_id, batch_size=config.batch_size)
+        states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size)
         train_data, collator = states(train_set, what="the training conversations"), None
         eval_data = states(eval_set, what="the held-out conversations") if eval_set else None
     trainer = MedusaTrainer(
