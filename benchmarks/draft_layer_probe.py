@@ -10,12 +10,14 @@ beside the ceiling: the base model's own argmax at t+1, what a perfect draft of 
 Variants: the MLP alone (trained further), + the layer, + the layer at a fifth of the learning rate, + the layer on
 the teacher's distribution (Hydra++'s target: softmax of the base model's logits at t+1, over the guess vocabulary),
 + the layer on half the conversations.
-Prints a table, writes JSON (after every variant) and a PNG beside it, and the layer variant's weights.
+Prints a table, writes JSON (after every variant) and a PNG beside it, and with --heads-out the layer variant's
+heads (the given heads, head 0 and the prefix layer trained).
 usage: python benchmarks/draft_layer_probe.py --train FILE [FILE ...] --heldout FILE [FILE ...] --json PATH
-           [--heads DIR] [--epochs 8] [--lr 5e-4] [--batch-tokens 8192] [--limit N] [--device cuda]
+           [--heads DIR] [--epochs 8] [--lr 5e-4] [--batch-tokens 8192] [--limit N] [--device cuda] [--heads-out DIR]
 """
 
 import argparse
+import copy
 import json
 import math
 import time
@@ -23,14 +25,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.model import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
-from medusa_decoding.training.train import future_labels
+from medusa_decoding.training.train import future_labels, prefix_shape, with_prefix
 
 WARMUP = 20
 
@@ -77,48 +78,21 @@ def padded(data: list[dict], group: list[int]) -> tuple[torch.Tensor, torch.Tens
 
 
 class DraftHead(torch.nn.Module):
-    """Head 0 of hydra heads, h + SiLU(W [h; e(root)] + b), plus (with `layer`) one causal decoder layer over
-    fuse([h_i; e(x_i+1)]) of every position, whose output it adds: projected onto the guess vocabulary's LM rows."""
+    """Head 0 of hydra heads, h + SiLU(W [h; e(root)] + b), plus (with `layer`) their prefix layer (heads.PrefixLayer,
+    the base model's last layer copied, its output at zero: train.with_prefix), whose output it adds: projected onto
+    the guess vocabulary's LM rows. `heads`: the whole heads, saved as such (the other heads untouched)."""
 
     def __init__(self, heads: MedusaHeads, base, rows: torch.Tensor, embed: torch.Tensor, layer: bool):
         super().__init__()
-        linear = heads.heads[0][0].linear
-        self.weight = torch.nn.Parameter(linear.weight.float().clone())
-        self.bias = torch.nn.Parameter(linear.bias.float().clone())
-        self.rows, self.embed, self.rotary, self.layer = rows, embed, base.model.rotary_emb, layer
-        if layer:
-            last, size = base.model.layers[-1], embed.shape[1]
-            attention, mlp = last.self_attn, last.mlp
-            self.fuse = torch.nn.Parameter(torch.cat([torch.eye(size), torch.eye(size)], 1))
-            copied = {"q": attention.q_proj, "k": attention.k_proj, "v": attention.v_proj,
-                      "gate": mlp.gate_proj, "up": mlp.up_proj}
-            self.linears = torch.nn.ParameterDict({n: torch.nn.Parameter(m.weight.detach().float().clone())
-                                                   for n, m in copied.items()})
-            self.linears["o"] = torch.nn.Parameter(torch.zeros_like(attention.o_proj.weight, dtype=torch.float))
-            self.linears["down"] = torch.nn.Parameter(torch.zeros_like(mlp.down_proj.weight, dtype=torch.float))
-            self.norms = torch.nn.ParameterList([torch.nn.Parameter(n.weight.detach().float().clone())
-                                                 for n in (last.input_layernorm, last.post_attention_layernorm)])
-            self.heads, self.kv_heads = base.config.num_attention_heads, base.config.num_key_value_heads
-
-    def prefix(self, h: torch.Tensor, root: torch.Tensor) -> torch.Tensor:
-        """The decoder layer's residual output over x = fuse([h; e(root)]): [B, T, H] -> [B, T, H]."""
-        x = torch.cat([h, root], -1) @ self.fuse.T
-        w, (batch, width, size) = self.linears, x.shape
-        a = F.rms_norm(x, (size,), self.norms[0])
-        q, k, v = ((a @ w[n].T).unflatten(-1, (-1, size // self.heads)).transpose(1, 2) for n in "qkv")
-        cos, sin = self.rotary(x, torch.arange(width, device=x.device)[None])
-        q, k = ((t * cos[:, None] + torch.cat([-t[..., t.shape[-1] // 2:], t[..., : t.shape[-1] // 2]], -1)
-                 * sin[:, None]) for t in (q, k))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        y = x + attended.transpose(1, 2).flatten(2) @ w["o"].T
-        m = F.rms_norm(y, (size,), self.norms[1])
-        return y + (F.silu(m @ w["gate"].T) * (m @ w["up"].T)) @ w["down"].T - x
+        self.heads = copy.deepcopy(with_prefix(heads, base, prefix_shape(base)) if layer else heads).float()
+        self.rows, self.embed, self.layer = rows, embed, layer
+        self.mlp = list(self.heads.heads[0][0].parameters())
 
     def forward(self, h: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """h [B, T, H], ids [B, T] -> head 0's state at every t [B, T, H] (root: x_t+1; the last t has none)."""
         root = self.embed[torch.cat([ids[:, 1:], ids[:, -1:]], 1)]
-        state = h + F.silu(torch.cat([h, root], -1) @ self.weight.T + self.bias)
-        return state + self.prefix(h, root) if self.layer else state
+        state = self.heads.heads[0][0](h, root[..., None, :])
+        return state + self.heads.prefix(h, root) if self.layer else state
 
 
 def targets_in(vocab: torch.Tensor, size: int) -> torch.Tensor:
@@ -159,8 +133,7 @@ def train(head: DraftHead, data: list[dict], heldout: tuple, vocab: torch.Tensor
     before training and after every epoch."""
     place = targets_in(vocab, head.embed.shape[0])
     groups = batches(data, args.batch_tokens)
-    mlp = [head.weight, head.bias]
-    layer = [p for p in head.parameters() if all(p is not q for q in mlp)]
+    mlp, layer = head.mlp, list(head.heads.prefix.parameters()) if head.layer else []
     optimizer = torch.optim.AdamW([{"params": mlp, "scale": 1.0}, {"params": layer, "scale": layer_lr}],
                                   weight_decay=0.0)
     generator = torch.Generator().manual_seed(0)
@@ -197,6 +170,8 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192)
     parser.add_argument("--limit", type=int, default=None, help="conversations per file list (a rehearsal)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--heads-out", type=Path, help="write the heads of the 'MLP + decoder layer' variant here "
+                                                       "(bfloat16, as shipped; `medusa calibrate` them next)")
     args = parser.parse_args()
     torch.manual_seed(0)
     torch.backends.cuda.matmul.allow_tf32 = True
@@ -234,9 +209,8 @@ def main() -> None:
         results["variants"][name] = {"heldout_top1": curve, "seconds": time.perf_counter() - began,
                                      "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in subset)}
         json_path.write_text(json.dumps(results, indent=2) + "\n")
-        if name == "MLP + decoder layer":
-            save_file({k: v.detach().bfloat16().contiguous().cpu() for k, v in head.named_parameters()},
-                      str(json_path.with_suffix(".safetensors")))
+        if name == "MLP + decoder layer" and args.heads_out:
+            head.heads.to(torch.bfloat16).save_pretrained(args.heads_out)
     print(f"{'head 0, held-out top-1':<48}" + "".join(f"{'epoch ' + str(e):>9}" for e in range(args.epochs + 1)))
     for name, result in results["variants"].items():
         print(f"{name:<48}" + "".join(f"{a:>9.4f}" for a in result["heldout_top1"]))
