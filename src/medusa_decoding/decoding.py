@@ -189,7 +189,7 @@ class Row:
     eos_ids: frozenset[int]
     generator: torch.Generator | None
     root: int  # the last token produced: the root of the next step's tree
-    hidden: torch.Tensor | None  # [S] the heads' input state before the root (Batch.looked), which they guess from
+    hidden: torch.Tensor  # [S] the heads' input state before the root (Batch.looked), which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
     produced: int = 1  # tokens produced so far, the root included
     prefix: tuple[torch.Tensor, torch.Tensor] | None = None  # the heads' prefix layer's keys and values (heads.py)
@@ -235,24 +235,27 @@ class Batch:
         with torch.inference_mode():
             cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
             root = first_token(logits, config, generator)
-            row = Row(config, Guard(ladder, root), eos_ids, generator, root, None, prompt.shape[-1])
+            length, prefix = prompt.shape[-1], None
             if config.medusa and self.heads is not None and self.heads.prefix is not None:
-                row.prefix = self.heads.prefix.buffers_for(row.length + config.max_new_tokens, states)
-            row.hidden = self.looked(row, states, torch.cat([prompt[1:], prompt.new_tensor([root])]), row.length)
+                prefix = self.heads.prefix.buffers_for(length + config.max_new_tokens, states)
+            hidden = self.looked(prefix, states, torch.cat([prompt[1:], prompt.new_tensor([root])]), length)
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, hidden, length, prefix=prefix)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
                 self.rows.append(row)
         return row
 
-    def looked(self, row: Row, states: torch.Tensor, following: torch.Tensor, length: int) -> torch.Tensor:
-        """The heads' input state at the row's last position, from `states` [n, S] of its n newest positions (the
+    def looked(self, prefix: tuple[torch.Tensor, torch.Tensor] | None, states: torch.Tensor, following: torch.Tensor,
+               length: int) -> torch.Tensor:
+        """The heads' input state at a row's last position, from `states` [n, S] of its n newest positions (the
         prefill's or a step's committed path, the last n of `length`) whose next tokens are `following` [n]: the
-        last one's, and with a prefix layer (row.prefix) its output there, after it has read the n positions."""
-        if row.prefix is None:
+        last one's, and with a prefix layer (`prefix`: the row's keys and values) its output there, after it has
+        read the n positions."""
+        if prefix is None:
             return states[-1]
         start, size = length - len(states), self.heads.config.hidden_size
-        looked = self.heads.prefix(states[None, :, :size], self.embed(following)[None], *row.prefix, start)
+        looked = self.heads.prefix(states[None, :, :size], self.embed(following)[None], *prefix, start)
         return torch.cat([states[-1], looked[0, -1]])
 
     def plan(self, row: Row, pooled: list[float] | None) -> Plan:
@@ -308,7 +311,7 @@ class Batch:
                 kv.commit(self.cache, lengths, paths)
             for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
                 following = torch.cat([plan.tokens[path[1:]], plan.tokens.new_tensor([root])])
-                row.hidden = self.looked(row, hidden[b, path], following, row.length + len(path))
+                row.hidden = self.looked(row.prefix, hidden[b, path], following, row.length + len(path))
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
