@@ -192,9 +192,9 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
 def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time, as training reads
-    them: (the heads' input state [n, S] (heads.run_backbone, heads.prefix_state) at each position t where some head has a target,
-    targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t
-    [n, K, H] (else None), roots [n]: token t+1)."""
+    them: (the heads' input state [n, S] (heads.run_backbone, heads.prefix_state) at each position t where some head
+    has a target, targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens
+    after t [n, K, H] (else None), roots [n]: token t+1)."""
     from .training import train
     from .training.data import build_examples
 

@@ -151,7 +151,7 @@ class TrainConfig:
     num_layers: int = HeadsConfig.num_layers
     projection: str = HeadsConfig.projection
     feature_layers: tuple[int, ...] = HeadsConfig.feature_layers
-    prefix_layer: bool = False  # hydra: train a prefix layer (HeadsConfig.prefix_layer) with the heads, on conversations
+    prefix_layer: bool = False  # hydra: train a prefix layer (HeadsConfig.prefix_layer) with the heads
     epochs: float = 2.0
     max_steps: int = -1  # > 0 overrides epochs
     learning_rate: float = 1e-3  # the heads'; the LoRA backbone's is learning_rate / heads_lr_ratio

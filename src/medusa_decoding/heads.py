@@ -73,7 +73,8 @@ class PrefixLayer(nn.Module):
         dim = hidden_size // heads
         self.fuse = nn.Linear(2 * hidden_size, hidden_size, bias=False)
         self.fuse.weight.data.copy_(torch.eye(hidden_size).repeat(1, 2))  # h + e(x): both reach the layer at first
-        self.q_proj, self.o_proj = nn.Linear(hidden_size, heads * dim, bias=False), nn.Linear(heads * dim, hidden_size, bias=False)
+        self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
+        self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
         self.k_proj, self.v_proj = (nn.Linear(hidden_size, kv * dim, bias=False) for _ in range(2))
         self.gate_proj, self.up_proj = (nn.Linear(hidden_size, config.intermediate_size, bias=False) for _ in range(2))
         self.down_proj = nn.Linear(config.intermediate_size, hidden_size, bias=False)

@@ -352,7 +352,8 @@ def prefix_shape(model: PreTrainedModel) -> PrefixConfig:
     rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
     return PrefixConfig(heads, getattr(config, "num_key_value_heads", None) or heads,
                         getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-                        float(rope or PrefixConfig.rope_theta), float(getattr(config, "rms_norm_eps", PrefixConfig.rms_norm_eps)))
+                        float(rope or PrefixConfig.rope_theta),
+                        float(getattr(config, "rms_norm_eps", PrefixConfig.rms_norm_eps)))
 
 
 def with_prefix(heads: MedusaHeads, model: PreTrainedModel, prefix: PrefixConfig | None) -> MedusaHeads:
