@@ -235,10 +235,10 @@ class Batch:
         with torch.inference_mode():
             cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
             root = first_token(logits, config, generator)
-            length, prefix = prompt.shape[-1], None
+            length, prefix, hidden = prompt.shape[-1], None, states[-1]
             if config.medusa and self.heads is not None and self.heads.prefix is not None:
                 prefix = self.heads.prefix.buffers_for(length + config.max_new_tokens, states)
-            hidden = self.looked(prefix, states, torch.cat([prompt[1:], prompt.new_tensor([root])]), length)
+                hidden = self.looked(prefix, states, torch.cat([prompt[1:], prompt.new_tensor([root])]), length)
             row = Row(config, Guard(ladder, root), eos_ids, generator, root, hidden, length, prefix=prefix)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
@@ -246,14 +246,12 @@ class Batch:
                 self.rows.append(row)
         return row
 
-    def looked(self, prefix: tuple[torch.Tensor, torch.Tensor] | None, states: torch.Tensor, following: torch.Tensor,
+    def looked(self, prefix: tuple[torch.Tensor, torch.Tensor], states: torch.Tensor, following: torch.Tensor,
                length: int) -> torch.Tensor:
-        """The heads' input state at a row's last position, from `states` [n, S] of its n newest positions (the
-        prefill's or a step's committed path, the last n of `length`) whose next tokens are `following` [n]: the
-        last one's, and with a prefix layer (`prefix`: the row's keys and values) its output there, after it has
-        read the n positions."""
-        if prefix is None:
-            return states[-1]
+        """The heads' input state at a row's last position where the heads have a prefix layer (`prefix`: the row's
+        keys and values), from `states` [n, S] of its n newest positions (the prefill's or a step's committed path,
+        the last n of `length`) whose next tokens are `following` [n]: the last one's, and the layer's output there
+        after it has read the n positions."""
         start, size = length - len(states), self.heads.config.hidden_size
         looked = self.heads.prefix(states[None, :, :size], self.embed(following)[None], *prefix, start)
         return torch.cat([states[-1], looked[0, -1]])
@@ -310,8 +308,11 @@ class Batch:
             else:  # eager, or a plain compiled step, whose token is in place already
                 kv.commit(self.cache, lengths, paths)
             for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
-                following = torch.cat([plan.tokens[path[1:]], plan.tokens.new_tensor([root])])
-                row.hidden = self.looked(row.prefix, hidden[b, path], following, row.length + len(path))
+                if row.prefix is None:
+                    row.hidden = hidden[b, path[-1]]
+                else:
+                    following = torch.cat([plan.tokens[path[1:]], plan.tokens.new_tensor([root])])
+                    row.hidden = self.looked(row.prefix, hidden[b, path], following, row.length + len(path))
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
