@@ -227,6 +227,62 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
     assert whole["head_hits"][..., 0].sum() > 0  # random heads, some hits: the comparison has teeth
 
 
+@pytest.mark.parametrize("vocab", [None, torch.tensor([3, 9, 4, 20, 7])])
+def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_token(tokenizer, vocab):
+    """targets "teacher": head k at t learns the model's own distribution at t+k+1 (over the guess vocabulary where
+    there is one), computed here from the model's logits by hand; cached positions give the same (their states
+    ahead kept in bfloat16: to a thousandth)."""
+    model = model_for(tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # a teacher sure of its next token, which differs from position to position
+    config = TrainConfig(num_heads=3, kind="hydra", targets="teacher", guess_vocab=0 if vocab is None else len(vocab))
+    heads = make_heads(model, config, None)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab).eval()
+    examples = build_examples(tokenizer, counting(6), 64)
+    batch = collate(examples, pad_id=0)
+    columns = slice(None) if vocab is None else vocab
+    with torch.no_grad():
+        whole = wrapper(**batch)["loss"]
+        hidden, state = run_backbone(model, (), input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        teacher = model.lm_head(hidden)[..., columns].log_softmax(-1)  # [B, T, V']: the model's at each position
+        state, targets, path, _ = at_answers(state, batch["input_ids"], batch["labels"], num_heads=3)
+        guesses = heads(state, model.lm_head, embeds=model.get_input_embeddings()(path))[..., columns].log_softmax(-1)
+        positions = (torch.stack([future_labels(batch["labels"], k + 2) for k in range(3)]) != I).any(0).nonzero()
+
+        def by_hand(ahead: int) -> torch.Tensor:  # CE(the model at t+k+ahead, head k at t), over head k's targets
+            return sum(0.8 ** k * torch.stack([-(teacher[b, t + k + ahead].exp() * guesses[k, n]).sum()
+                                               for n, (b, t) in enumerate(positions.tolist()) if targets[k, n] != I]).mean()
+                       for k in range(3))
+
+        expected = by_hand(1)
+        cached = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test", teacher=True)
+        items = {k: torch.stack([cached[i][k] for i in range(len(cached))]) for k in ("state", "targets", "path", "ahead")}
+        positions_loss = wrapper(**items)["loss"]
+    torch.testing.assert_close(whole, expected)
+    torch.testing.assert_close(positions_loss, expected, rtol=1e-3, atol=0)
+    for wrong in (by_hand(0), by_hand(2)):  # the teacher a position off: the comparison has teeth
+        assert abs(wrong - expected) > 10 * 1e-3 * expected  # ten times the tolerance above
+
+
+def test_teacher_targets_train_the_heads_towards_the_models_own_distribution(tokenizer, tmp_path):
+    """`medusa train --targets teacher` on cached positions: the heads' cross-entropy to the frozen model's own
+    distributions falls, and the backbone is left bit-identical."""
+    model = model_for(tokenizer)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # a teacher sure of its next token: much for the heads to learn
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = TrainConfig(**{**CONFIG.__dict__, "kind": "hydra", "position_batch": 16, "targets": "teacher"})
+    recorder = Recorder()
+    accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
+    assert recorder.losses[-1] < 0.75 * recorder.losses[0]
+    assert accuracy["eval_loss"] < 0.75 * recorder.losses[0]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert json.loads((tmp_path / "heads" / "train_config.json").read_text())["targets"] == "teacher"
+
+
 def test_medusa2_kl_is_zero_at_initialisation_and_the_disabled_adapter_is_the_original(tokenizer):
     config = TrainConfig(mode="medusa2", num_heads=2)
     model = model_for(tokenizer, tie_word_embeddings=True)
@@ -459,6 +515,10 @@ def test_errors(tokenizer, tmp_path, monkeypatch):
         TrainConfig(prefix_layer=True)
     with pytest.raises(ValueError, match="not on cached positions"):
         TrainConfig(kind="hydra", prefix_layer=True, position_batch=16)
+    with pytest.raises(ValueError, match="targets must be one of"):
+        TrainConfig(targets="labels")
+    with pytest.raises(ValueError, match="targets 'teacher' is the frozen backbone's distribution"):
+        TrainConfig(mode="medusa2", targets="teacher")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="CUDA GPU"):
         load_backbone(None, TrainConfig(quantize="4bit"))

@@ -7,7 +7,8 @@ import time
 from dataclasses import fields
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
-from .config import HEAD_KINDS, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig, DistillConfig, TrainConfig
+from .config import (HEAD_KINDS, HEAD_TARGETS, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig,
+                     DistillConfig, TrainConfig)
 from .kernels import KERNELS
 
 ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
@@ -372,6 +373,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--warmup-steps", type=int, default=TRAIN.warmup_steps)
     add("--decay", type=float, default=TRAIN.decay, help="head k's loss weight is decay**k")
     add("--lambda0", type=float, default=TRAIN.lambda0, help="medusa2: loss = L_LM + lambda0 * L_heads")
+    add("--targets", choices=HEAD_TARGETS, default=TRAIN.targets,
+        help="medusa1: what head k learns at t: the data's token t+k+2 (tokens) or the frozen model's distribution "
+             "over it (teacher: softmax of its logits at t+k+1; Hydra++'s target)")
     add("--lm-loss", choices=LM_LOSSES, default=TRAIN.lm_loss,
         help="medusa2 backbone term: kl to the original model (self-distilled data) or ce to the data")
     add("--lora-r", type=int, default=TRAIN.lora_r)

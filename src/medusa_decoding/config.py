@@ -138,6 +138,7 @@ class DistillConfig:
 
 TRAIN_MODES = ("medusa1", "medusa2")
 LM_LOSSES = ("kl", "ce")
+HEAD_TARGETS = ("tokens", "teacher")  # what the heads' loss ranks against: TrainConfig.targets
 QUANTIZATIONS = ("8bit", "4bit")
 
 
@@ -162,6 +163,9 @@ class TrainConfig:
     warmup_steps: int = 50  # learning-rate warm-up, and MEDUSA-2's sine ramp of lambda0 without --init-heads
     scheduler: str = "cosine"
     decay: float = 0.8  # head k's loss weight is decay**k
+    # medusa1: "tokens", CE to the data's token t+k+2; "teacher", CE to the frozen model's own distribution over it
+    # (softmax of its logits at t+k+1, over the guess vocabulary where there is one: Hydra++'s target)
+    targets: str = "tokens"
     lambda0: float = 0.2  # MEDUSA-2: loss = L_LM + lambda0 * L_heads
     lm_loss: str = "kl"  # MEDUSA-2 backbone term: KL to the original model (self-distilled data) or CE
     lora_r: int = 32
@@ -183,7 +187,8 @@ class TrainConfig:
 
     def __post_init__(self):
         object.__setattr__(self, "feature_layers", check_layers(self.feature_layers))
-        choices = {"mode": TRAIN_MODES, "kind": HEAD_KINDS, "projection": PROJECTIONS, "lm_loss": LM_LOSSES, "quantize": QUANTIZATIONS + (None,)}
+        choices = {"mode": TRAIN_MODES, "kind": HEAD_KINDS, "projection": PROJECTIONS, "lm_loss": LM_LOSSES,
+                   "targets": HEAD_TARGETS, "quantize": QUANTIZATIONS + (None,)}
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
@@ -213,6 +218,9 @@ class TrainConfig:
         if self.position_batch and self.mode != "medusa1":
             raise ValueError(f"position_batch caches a frozen backbone's states: it is for mode 'medusa1', got "
                              f"mode {self.mode!r}")
+        if self.targets == "teacher" and self.mode != "medusa1":
+            raise ValueError(f"targets 'teacher' is the frozen backbone's distribution: mode 'medusa1', got mode "
+                             f"{self.mode!r}")
         if self.quantize and self.mode != "medusa1":
             raise ValueError(f"quantize is for mode 'medusa1' (frozen backbone), got mode {self.mode!r}")
 

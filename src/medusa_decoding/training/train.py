@@ -4,6 +4,7 @@ The hidden state at position t feeds the LM head, which predicts token t+1, and 
 which predicts token t+k+2. Losses count only targets that are assistant tokens:
 
     MEDUSA-1  L_heads = sum_k decay^k CE(head k at t, x[t+k+2])     backbone frozen, no gradient through it
+              (targets "teacher": CE to the frozen model's own distribution over x[t+k+2], its LM head at t+k+1)
     MEDUSA-2  L_LM + lambda * L_heads                               LoRA on every linear layer, lm_head included
               L_LM = KL(original || adapted) of the next-token distribution (self-distilled data; the
               original is the same network with its adapter disabled, no second copy) or CE to the data.
@@ -65,56 +66,78 @@ def path_embeddings(config: HeadsConfig, embed: nn.Module, path: torch.Tensor) -
     return embed(path) if config.kind == "hydra" else None
 
 
+def answer_mask(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """labels [B, T] -> (each head's target [K, B, T], the positions where some head has one [B, T])."""
+    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])
+    return targets, (targets != IGNORE_INDEX).any(0)
+
+
 def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int):
     """The positions where some head has a target, out of a batch of conversations: state [B, T, S], input_ids and
     labels [B, T] -> (state [n, S], targets [K, n], path [n, K]: path_tokens, rows [n]: each position's example).
     Only these positions are trained on, so prompts and padding cost the heads nothing."""
-    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])  # [K, B, T]
-    keep = (targets != IGNORE_INDEX).any(0)  # [B, T]
+    targets, keep = answer_mask(labels, num_heads)
     return state[keep], targets[:, keep], path_tokens(input_ids, num_heads)[keep], keep.nonzero()[:, 0]
+
+
+def ahead_states(hidden: torch.Tensor, labels: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The last hidden states [n, K, H] at t+1..t+K of at_answers' positions t (hidden [B, T, H]): the frozen model's
+    LM head at t+k+1 gives its distribution over head k's target (targets "teacher"). Past the end: the last state,
+    where no head has a target."""
+    b, t = answer_mask(labels, num_heads)[1].nonzero(as_tuple=True)
+    later = (t[:, None] + torch.arange(1, num_heads + 1, device=t.device)).clamp(max=hidden.shape[1] - 1)
+    return hidden[b[:, None], later]
 
 
 @torch.no_grad()
 def answer_positions(model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                     batch_size: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+                     batch_size: int, teacher: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
     """The frozen model's answer positions in `examples`, teacher-forced, a batch of examples at a time: (the heads'
     input state [n, S] (heads.run_backbone, heads.prefix_state), targets [K, n], path [n, K]), as at_answers gives
-    them. Calibration and AnswerStates read the heads' inputs through here."""
+    them, and with `teacher` the states ahead [n, K, H] (ahead_states). Calibration and AnswerStates read the heads'
+    inputs through here."""
+    num_heads = heads.config.num_heads
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(model.device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
-        _, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
-                                attention_mask=batch["attention_mask"])
+        hidden, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
+                                     attention_mask=batch["attention_mask"])
         state = prefix_state(heads, model.get_input_embeddings(), state, batch["input_ids"])
-        yield at_answers(state, batch["input_ids"], batch["labels"], heads.config.num_heads)[:3]
+        found = at_answers(state, batch["input_ids"], batch["labels"], num_heads)[:3]
+        yield found + (ahead_states(hidden, batch["labels"], num_heads),) if teacher else found
 
 
 class AnswerStates(torch.utils.data.Dataset):
     """MEDUSA-1 with position_batch: the frozen backbone's states at every answer position, computed once (each epoch
     would compute the same ones again), so that a batch is positions drawn from many conversations. The heads then
     get many more updates per hour: benchmarks/feature_probe.py showed head 0 held back by its number of updates.
-    Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K)."""
+    Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K), and with `teacher` ahead
+    [K, H] (ahead_states; kept in bfloat16: K times the size of the states)."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                 batch_size: int, what: str):
+                 batch_size: int, what: str, teacher: bool = False):
         from tqdm.auto import tqdm
 
-        batches = tqdm(answer_positions(model, heads, examples, pad_id, batch_size), desc=f"states of {what}",
-                       total=math.ceil(len(examples) / batch_size), unit="batch")
-        states, targets, paths = zip(*((s.cpu(), t.cpu(), p.cpu()) for s, t, p in batches))
-        self.state, self.targets, self.path = torch.cat(states), torch.cat(targets, 1).T.contiguous(), torch.cat(paths)
+        batches = tqdm(answer_positions(model, heads, examples, pad_id, batch_size, teacher),
+                       desc=f"states of {what}", total=math.ceil(len(examples) / batch_size), unit="batch")
+        found = [(s.cpu(), t.cpu(), p.cpu(), *(a.cpu().bfloat16() for a in ahead)) for s, t, p, *ahead in batches]
+        state, targets, path, *ahead = zip(*found)
+        self.state, self.targets, self.path = torch.cat(state), torch.cat(targets, 1).T.contiguous(), torch.cat(path)
+        self.ahead = torch.cat(ahead[0]) if ahead else None
 
     def __len__(self) -> int:
         return len(self.state)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"state": self.state[i], "targets": self.targets[i], "path": self.path[i]}
+        item = {"state": self.state[i], "targets": self.targets[i], "path": self.path[i]}
+        return item if self.ahead is None else item | {"ahead": self.ahead[i]}
 
 
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targets: torch.Tensor, decay: float,
-               embeds: torch.Tensor | None = None):
-    """state [N, S] (the heads' input states), targets [K, N] (embeds [N, K, H]: hydra heads' path) ->
-    (sum_k decay^k mean CE_k, hits [N, K, 3]: top-1, top-5, has a target; None while training, when nothing reads
-    them).
+               embeds: torch.Tensor | None = None, ahead: torch.Tensor | None = None):
+    """state [N, S] (the heads' input states), targets [K, N] (embeds [N, K, H]: hydra heads' path; ahead [N, K, H]:
+    the states whose `lm_head` distributions the heads learn instead of the target tokens, ahead_states) ->
+    (sum_k decay^k mean CE_k, hits [N, K, 3]: top-1, top-5, has a target (the target tokens); None while training,
+    when nothing reads them).
 
     The heads run on a chunk of positions at a time, their logits recomputed in the backward pass: K x N x V logits
     at once cost gigabytes (an out-of-memory kill at 24 GiB), and on a CPU most of a step went to faulting that
@@ -122,28 +145,42 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targ
     """
     num_heads = heads.config.num_heads
     weights = decay ** torch.arange(num_heads, device=state.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
-    paths = itertools.repeat(None) if embeds is None else embeds.split(LOSS_CHUNK)
-    chunks = list(zip(state.split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), paths))
+    split = [itertools.repeat(None) if x is None else x.split(LOSS_CHUNK) for x in (embeds, ahead)]
+    chunks = list(zip(state.split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), *split))
+
+    def chunk_loss(chunk_state, chunk_targets, chunk_embeds, chunk_ahead):
+        logits = heads(chunk_state, lm_head, embeds=chunk_embeds)
+        return weighted_ce(logits, chunk_targets, weights, teacher_probs(lm_head, chunk_ahead)), logits
+
     loss = state.new_zeros((), dtype=torch.float32)
     if torch.is_grad_enabled():
-        def chunk_loss(chunk_state, chunk_targets, chunk_embeds):
-            return weighted_ce(heads(chunk_state, lm_head, embeds=chunk_embeds), chunk_targets, weights)
-
-        return loss + sum(checkpoint(chunk_loss, *chunk, use_reentrant=False) for chunk in chunks), None
+        return loss + sum(checkpoint(lambda *c: chunk_loss(*c)[0], *chunk, use_reentrant=False) for chunk in chunks), None
     hits = [targets.new_zeros(num_heads, 0, 3)]  # [K, n, 3] per chunk, joined once
-    for chunk_state, chunk_targets, chunk_embeds in chunks:
-        logits = heads(chunk_state, lm_head, embeds=chunk_embeds)
-        loss = loss + weighted_ce(logits, chunk_targets, weights)
-        hits.append(head_hits(logits, chunk_targets))
+    for chunk in chunks:
+        chunk_sum, logits = chunk_loss(*chunk)
+        loss = loss + chunk_sum
+        hits.append(head_hits(logits, chunk[1]))
     return loss, torch.cat(hits, 1).transpose(0, 1)
 
 
-def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk (a target OUTSIDE the
-    guess vocabulary counts nothing)."""
-    targets = targets.masked_fill(targets == OUTSIDE, IGNORE_INDEX)
-    losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").view_as(targets)
-    return (losses.sum(-1) * weights).sum()
+@torch.no_grad()
+def teacher_probs(lm_head, ahead: torch.Tensor | None) -> torch.Tensor | None:
+    """ahead [n, K, H] -> the frozen model's next-token distributions there [K, n, V] (float32); None: None."""
+    return None if ahead is None else lm_head(ahead.transpose(0, 1)).float().softmax(-1)
+
+
+def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+                teacher: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk: to the target tokens
+    (one OUTSIDE the guess vocabulary counts nothing), or to `teacher` [K, n, V], the frozen model's distributions
+    (teacher_probs), wherever there is a target."""
+    if teacher is None:
+        targets = targets.masked_fill(targets == OUTSIDE, IGNORE_INDEX)
+        losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
+    else:
+        losses = F.cross_entropy(logits.float().flatten(0, 1), teacher.flatten(0, 1), reduction="none")
+        losses = losses.masked_fill(targets.flatten() == IGNORE_INDEX, 0)
+    return (losses.view_as(targets).sum(-1) * weights).sum()
 
 
 def head_hits(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -179,26 +216,28 @@ class MedusaTrainingModel(nn.Module):
                             attention_mask=attention_mask, use_cache=False)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, state=None, targets=None, path=None,
-                heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
+                ahead=None, heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
         """A batch of conversations (input_ids, attention_mask, labels [B, T]) or of answer positions whose states are
-        cached (state [N, S], targets [N, K], path [N, K]: AnswerStates) -> the loss, and hits when evaluating: [B, K,
-        3] per conversation, [N, K, 3] per position."""
-        num_heads = self.heads.config.num_heads
+        cached (state [N, S], targets [N, K], path [N, K], and ahead [N, K, H] for targets "teacher": AnswerStates)
+        -> the loss, and hits when evaluating: [B, K, 3] per conversation, [N, K, 3] per position."""
+        num_heads, teacher = self.heads.config.num_heads, self.train_config.targets == "teacher"
         if state is None:
             with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
                 hidden, states = self.hidden_states(input_ids, attention_mask)
             states = prefix_state(self.heads, self.causal_lm.get_input_embeddings(), states, input_ids)
             state, targets, path, rows = at_answers(states, input_ids, labels, num_heads)
+            ahead = ahead_states(hidden, labels, num_heads) if teacher else None
         else:
             targets = targets.T
         lm_head = self.causal_lm.get_output_embeddings()
+        ahead = None if ahead is None else ahead.to(lm_head.weight.dtype)
         embeds = path_embeddings(self.heads.config, self.causal_lm.get_input_embeddings(), path)
         projection = lm_head
         if self.vocab is not None:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
             projection = partial(F.linear, weight=lm_head.weight[self.vocab.to(targets.device)])
             place = self.place.to(targets.device)[targets.clamp(min=0)]
             targets = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, place)
-        loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds)
+        loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds, ahead)
         loss = heads_weight * loss
         if self.adapted:
             loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
@@ -485,7 +524,8 @@ def train(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
     train_data, eval_data, collator = train_set, eval_set or None, partial(collate, pad_id=pad_id)
     if config.position_batch:
-        states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size)
+        states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size,
+                         teacher=config.targets == "teacher")
         train_data, collator = states(train_set, what="the training conversations"), None
         eval_data = states(eval_set, what="the held-out conversations") if eval_set else None
     trainer = MedusaTrainer(
