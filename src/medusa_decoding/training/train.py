@@ -117,6 +117,7 @@ class AnswerStates(torch.utils.data.Dataset):
                  batch_size: int, what: str, teacher: bool = False):
         from tqdm.auto import tqdm
 
+        examples = sorted(examples, key=lambda e: len(e["input_ids"]))  # batches of alike lengths: little padding
         batches = tqdm(answer_positions(model, heads, examples, pad_id, batch_size, teacher),
                        desc=f"states of {what}", total=math.ceil(len(examples) / batch_size), unit="batch")
         found = [(s.cpu(), t.cpu(), p.cpu(), *(a.cpu().bfloat16() for a in ahead)) for s, t, p, *ahead in batches]
