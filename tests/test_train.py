@@ -202,6 +202,15 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
         "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
 
 
+def random_heads(model, config: TrainConfig, vocab: torch.Tensor | None):
+    """Heads with random weights (some of their guesses right by chance), and the training model around them."""
+    heads = make_heads(model, config, None)
+    torch.manual_seed(0)
+    for p in heads.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return heads, MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab).eval()
+
+
 @pytest.mark.parametrize("kind, layers, vocab", [("medusa", (), None), ("hydra", (1,), torch.tensor([3, 9, 4, 20]))])
 def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, kind, layers, vocab):
     """AnswerStates hold exactly what training reads of a batch of conversations: forward on all of its positions
@@ -209,11 +218,7 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
     model = model_for(tokenizer)
     config = TrainConfig(num_heads=3, kind=kind, feature_layers=layers, projection="shared",
                          guess_vocab=0 if vocab is None else len(vocab))
-    heads = make_heads(model, config, None)
-    torch.manual_seed(0)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab).eval()
+    heads, wrapper = random_heads(model, config, vocab)
     examples = build_examples(tokenizer, counting(6), 64)
     states = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test")
     # one answer each: some head's target lies in it from K+1 positions before it to 2 before its end
@@ -236,11 +241,7 @@ def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_toke
     with torch.no_grad():
         model.lm_head.weight.mul_(30)  # a teacher sure of its next token, which differs from position to position
     config = TrainConfig(num_heads=3, kind="hydra", targets="teacher", guess_vocab=0 if vocab is None else len(vocab))
-    heads = make_heads(model, config, None)
-    torch.manual_seed(0)
-    for p in heads.parameters():
-        torch.nn.init.normal_(p, std=0.3)
-    wrapper = MedusaTrainingModel(prepare_backbone(model, config), heads, config, vocab).eval()
+    heads, wrapper = random_heads(model, config, vocab)
     examples = build_examples(tokenizer, counting(6), 64)
     batch = collate(examples, pad_id=0)
     columns = slice(None) if vocab is None else vocab
