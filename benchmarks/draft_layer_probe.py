@@ -10,10 +10,12 @@ beside the ceiling: the base model's own argmax at t+1, what a perfect draft of 
 Variants: the MLP alone (trained further), + the layer, + the layer at a fifth of the learning rate, + the layer on
 the teacher's distribution (Hydra++'s target: softmax of the base model's logits at t+1, over the guess vocabulary),
 + the layer on half the conversations.
-Prints a table, writes JSON (after every variant) and a PNG beside it, and with --heads-out the layer variant's
-heads (the given heads, head 0 and the prefix layer trained).
+Prints a table, writes JSON (after every variant) and a PNG beside it, and with --heads-out the heads of every layer
+variant run (the given heads, head 0 and the prefix layer trained) in a directory named after the variant.
+--bf16 trains under bfloat16 autocast (a CPU with AVX-512 BF16 or AMX: 2.4x faster a batch than float32).
 usage: python benchmarks/draft_layer_probe.py --train FILE [FILE ...] --heldout FILE [FILE ...] --json PATH
-           [--heads DIR] [--epochs 8] [--lr 5e-4] [--batch-tokens 8192] [--limit N] [--device cuda] [--heads-out DIR]
+           [--heads DIR] [--epochs 8] [--lr 5e-4] [--batch-tokens 8192] [--limit N] [--device cuda] [--bf16]
+           [--variants mlp layer layer-lr5 teacher half] [--heads-out DIR]
 """
 
 import argparse
@@ -34,6 +36,12 @@ from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate,
 from medusa_decoding.training.train import future_labels, prefix_shape, with_prefix
 
 WARMUP = 20
+# key: (name, with the layer, teacher's distribution as target, the layer's lr scale, every n-th conversation)
+VARIANTS = {"mlp": ("MLP (the shipped head 0)", False, False, 1.0, 1),
+            "layer": ("MLP + decoder layer", True, False, 1.0, 1),
+            "layer-lr5": ("MLP + decoder layer at lr / 5", True, False, 0.2, 1),
+            "teacher": ("MLP + decoder layer, teacher's distribution", True, True, 1.0, 1),
+            "half": ("MLP + decoder layer, half the conversations", True, False, 1.0, 2)}
 
 
 def features(model, tokenizer, files: list[str], limit: int | None, batch_size: int = 16) -> list[dict]:
@@ -144,12 +152,13 @@ def train(head: DraftHead, data: list[dict], heldout: tuple, vocab: torch.Tensor
                 group["lr"] = group["scale"] * args.lr * min(1, (step + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * step / steps))
             h, ids, target = padded(data, groups[g])
             keep = target != IGNORE_INDEX
-            logits = head(h, ids)[keep] @ head.rows.T
-            if teacher:
-                soft = (torch.cat([h[:, 1:], h[:, -1:]], 1)[keep] @ head.rows.T).softmax(-1)
-                loss = F.cross_entropy(logits, soft)
-            else:
-                loss = F.cross_entropy(logits, place[target[keep]], ignore_index=IGNORE_INDEX)
+            with torch.autocast(h.device.type, torch.bfloat16, enabled=args.bf16):
+                logits = (head(h, ids)[keep] @ head.rows.T).float()
+                if teacher:
+                    soft = (torch.cat([h[:, 1:], h[:, -1:]], 1)[keep] @ head.rows.T).float().softmax(-1)
+                    loss = F.cross_entropy(logits, soft)
+                else:
+                    loss = F.cross_entropy(logits, place[target[keep]], ignore_index=IGNORE_INDEX)
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -170,7 +179,9 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=8192)
     parser.add_argument("--limit", type=int, default=None, help="conversations per file list (a rehearsal)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--heads-out", type=Path, help="write the heads of the 'MLP + decoder layer' variant here "
+    parser.add_argument("--bf16", action="store_true", help="train under bfloat16 autocast")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--heads-out", type=Path, help="write the heads of every layer variant run to DIR/VARIANT "
                                                        "(bfloat16, as shipped; `medusa calibrate` them next)")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -189,6 +200,7 @@ def main() -> None:
     json_path = Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
     results = {"heads": str(args.heads), "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
+               "bf16": args.bf16,
                "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
                "train_conversations": len(data),
                "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in data),
@@ -196,21 +208,18 @@ def main() -> None:
                "ceiling_base_argmax": ceiling(base, *heldout), "features_seconds": time.perf_counter() - start,
                "variants": {}}
     print(f"ceiling (the base model's argmax at t+1): {results['ceiling_base_argmax']:.4f}", flush=True)
-    half = data[::2]
-    variants = [("MLP (the shipped head 0)", False, False, 1.0, data), ("MLP + decoder layer", True, False, 1.0, data),
-                ("MLP + decoder layer at lr / 5", True, False, 0.2, data),
-                ("MLP + decoder layer, teacher's distribution", True, True, 1.0, data),
-                ("MLP + decoder layer, half the conversations", True, False, 1.0, half)]
-    for name, layer, teacher, layer_lr, subset in variants:
+    for key in args.variants:
+        name, layer, teacher, layer_lr, every = VARIANTS[key]
         print(name, flush=True)
         began = time.perf_counter()
+        subset = data[::every]
         head = DraftHead(heads, base, rows, embed, layer).to(args.device)
         curve = train(head, subset, heldout, vocab, args, teacher, layer_lr)
         results["variants"][name] = {"heldout_top1": curve, "seconds": time.perf_counter() - began,
                                      "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in subset)}
         json_path.write_text(json.dumps(results, indent=2) + "\n")
-        if name == "MLP + decoder layer" and args.heads_out:
-            head.heads.to(torch.bfloat16).save_pretrained(args.heads_out)
+        if layer and args.heads_out:
+            head.heads.to(torch.bfloat16).save_pretrained(args.heads_out / key)
     print(f"{'head 0, held-out top-1':<48}" + "".join(f"{'epoch ' + str(e):>9}" for e in range(args.epochs + 1)))
     for name, result in results["variants"].items():
         print(f"{name:<48}" + "".join(f"{a:>9.4f}" for a in result["heldout_top1"]))
