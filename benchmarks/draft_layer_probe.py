@@ -29,6 +29,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from medusa_decoding.calibrate import device_name
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.model import load_base
@@ -201,7 +202,7 @@ def main() -> None:
     json_path.parent.mkdir(parents=True, exist_ok=True)
     results = {"heads": str(args.heads), "epochs": args.epochs, "lr": args.lr, "batch_tokens": args.batch_tokens,
                "bf16": args.bf16,
-               "device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+               "device": device_name(torch.device(args.device)),
                "train_conversations": len(data),
                "train_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in data),
                "heldout_positions": sum((e["target"] != IGNORE_INDEX).sum().item() for e in heldout_data),
