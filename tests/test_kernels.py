@@ -41,12 +41,12 @@ def test_native_linear_is_batch_invariant_and_computes_x_wt(rows, in_features, o
     load_native()
     torch.manual_seed(rows)
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
-    out = torch.ops.medusa.linear(x, w)  # any K (tails of 16 lanes), any N (tails of 4 rows)
+    out = kernels.OPS.linear(x, w)  # any K (tails of 16 lanes), any N (tails of 4 rows)
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
     for m in range(rows):  # every row exactly as computed alone, and within any batch
-        assert torch.equal(torch.ops.medusa.linear(x[m : m + 1], w), out[m : m + 1])
-    assert torch.equal(torch.ops.medusa.linear(x[rows // 2 :], w), out[rows // 2 :])
-    assert torch.equal(torch.ops.medusa.linear(x.T.contiguous().T, w), out)  # strided input
+        assert torch.equal(kernels.OPS.linear(x[m : m + 1], w), out[m : m + 1])
+    assert torch.equal(kernels.OPS.linear(x[rows // 2 :], w), out[rows // 2 :])
+    assert torch.equal(kernels.OPS.linear(x.T.contiguous().T, w), out)  # strided input
 
 
 def gguf_exact(weight: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -81,7 +81,7 @@ def test_gguf_blocks_are_read_to_the_same_bits(qtype, bits):
     assert codes.dtype == torch.uint8 and codes.shape == (37, 96 * bits // 8) and scales.shape == (37, 3, 2)
     for rows in range(10):  # none; up to 8 tokens the blocks are decoded in registers, above into a buffer
         x = torch.randn(rows, 96)
-        assert torch.equal(torch.ops.medusa.linear_blocks(x, codes, scales, bits), torch.ops.medusa.linear(x, weight))
+        assert torch.equal(kernels.OPS.linear_blocks(x, codes, scales, bits), kernels.OPS.linear(x, weight))
 
 
 def test_weights_that_are_not_exact_blocks_keep_float32():
@@ -218,7 +218,7 @@ def test_native_linears_run_stock_above_max_rows(bias):
     x = torch.randn(MAX_ROWS + 1, 48)
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # a prefill
-        expected = torch.ops.medusa.linear(x[:MAX_ROWS], layer.weight) + (layer.bias if bias else 0)
+        expected = kernels.OPS.linear(x[:MAX_ROWS], layer.weight) + (layer.bias if bias else 0)
         assert torch.equal(layer(x[:MAX_ROWS].reshape(2, MAX_ROWS // 2, 48)).reshape(MAX_ROWS, 20), expected)
 
 
@@ -329,13 +329,13 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
     x[0, 32:64] = 0  # a block of zero activations (where there are two)
     paths = q8_paths()
     assert "scalar" in paths and all(name in Q8_PATHS for name in paths)
-    out = {name: torch.ops.medusa.linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
-    fastest = torch.ops.medusa.linear_q8(x, *packed, out_features, -1)
+    out = {name: kernels.OPS.linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
+    fastest = kernels.OPS.linear_q8(x, *packed, out_features, -1)
     assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
     for m in range(min(rows, 5)):  # each token as computed alone, and beside 2 to 11 others (every tile size)
-        assert torch.equal(torch.ops.medusa.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
+        assert torch.equal(kernels.OPS.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
         others = torch.cat([torch.randn(m + 2, in_features), x[m : m + 1], torch.randn(2 * m, in_features)])
-        assert torch.equal(torch.ops.medusa.linear_q8(others, *packed, out_features, -1)[m + 2], fastest[m])
+        assert torch.equal(kernels.OPS.linear_q8(others, *packed, out_features, -1)[m + 2], fastest[m])
     torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
     exact = x @ weight.T
     assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
@@ -347,7 +347,7 @@ def test_q8_linear_refuses_a_path_this_cpu_lacks():
     packed = q8_pack(*block_codes(gguf_exact(torch.randn(4, 32), "Q4_1")))
     missing = [i for i, name in enumerate(Q8_PATHS) if name not in q8_paths()] + [len(Q8_PATHS)]
     with pytest.raises(RuntimeError, match="does not run on this CPU"):
-        torch.ops.medusa.linear_q8(torch.randn(1, 32), *packed, 4, missing[0])
+        kernels.OPS.linear_q8(torch.randn(1, 32), *packed, 4, missing[0])
 
 
 def test_q8_pack_interleaves_16_rows_4_codes_at_a_time_and_keeps_only_float16_scales():
@@ -373,13 +373,13 @@ def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads
     mask = torch.zeros(1, n, keys)
     mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
     scale = 1 / math.sqrt(head_dim)
-    out = torch.ops.medusa.attention(q, k, v, mask, scale)  # [B, T, H, D]
+    out = kernels.OPS.attention(q, k, v, mask, scale)  # [B, T, H, D]
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
                                                                 enable_gqa=True)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     for node in range(n):  # the same token in a one-token pass over its own keys, contiguous: the same bits
         seen = torch.cat([torch.arange(prefix), prefix + tree.attention[node].nonzero()[:, 0]])
-        alone = torch.ops.medusa.attention(q[:, :, node : node + 1], k[:, :, seen], v[:, :, seen], None, scale)
+        alone = kernels.OPS.attention(q[:, :, node : node + 1], k[:, :, seen], v[:, :, seen], None, scale)
         assert torch.equal(alone[0, 0], out[0, node])
 
 
@@ -395,10 +395,10 @@ def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
     k[1, :, short:width], v[1, :, short:width] = float("nan"), float("nan")
     mask = torch.zeros(2, n, width + n)
     mask[1, :, short:width] = torch.finfo(torch.float32).min
-    out = torch.ops.medusa.attention(q, k, v, mask, 0.125)
+    out = kernels.OPS.attention(q, k, v, mask, 0.125)
     for row, prefix in ((0, width), (1, short)):
         seen = torch.cat([torch.arange(prefix), torch.arange(width, width + n)])
-        alone = torch.ops.medusa.attention(q[row : row + 1], k[row : row + 1, :, seen], v[row : row + 1, :, seen],
+        alone = kernels.OPS.attention(q[row : row + 1], k[row : row + 1, :, seen], v[row : row + 1, :, seen],
                                            torch.zeros(1, n, len(seen)), 0.125)
         assert torch.equal(alone[0], out[row])
 

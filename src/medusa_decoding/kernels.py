@@ -51,6 +51,7 @@ import contextlib
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import sys
 from pathlib import Path
@@ -67,57 +68,95 @@ NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native bui
 Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bit activations
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp")]
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / name for name in ("linear.cpp", "attention.cpp")]
+HEADERS = [CSRC / "simd.h"]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
-ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"]}  # else the baseline
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
+# the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
+VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"],
+            "baseline": []}
+VARIANT_ENV = "MEDUSA_ISA"  # forces a variant for the whole engine (one this CPU runs)
+OPS = None  # the engine's variant's ops (torch.ops.medusa_<variant>), once load_native has loaded them
+
+
+def cpu_variants() -> list[str]:
+    """The variants this CPU runs, fastest first (ATen's own reading of the CPU: AVX512 means F, BW, VL and DQ)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ["baseline"]
+    capability = torch.backends.cpu.get_cpu_capability()
+    return list(VARIANTS)[{"AVX512": 0, "AVX2": 1}.get(capability, 2):]
 
 
 @functools.cache
-def native_build() -> str | None:
-    """Builds the medusa ops (linears, attention) for this machine's vector width (once: torch caches the build) and
-    loads them. Returns None, or why they cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
-    from torch.utils.cpp_extension import get_cxx_compiler, get_default_build_root, load
+def variant() -> str:
+    """The variant the engine runs: $MEDUSA_ISA where set, else the fastest this CPU runs."""
+    runnable = cpu_variants()
+    forced = os.environ.get(VARIANT_ENV)
+    if forced and forced not in runnable:
+        raise ValueError(f"{VARIANT_ENV}={forced!r}: this CPU runs the variants {runnable}")
+    return forced or runnable[0]
 
+
+@functools.cache
+def native_build(isa: str | None = None) -> str | None:
+    """Builds the medusa ops (linears, attention) of variant `isa` (None: the engine's, `variant()`), once per machine
+    (cached under the project's cache directory), and loads them as torch.ops.medusa_<isa>. Returns None, or why they
+    cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
+    from torch.utils.cpp_extension import get_cxx_compiler, load
+
+    from .default_model import cache_root
+
+    isa = isa or variant()
     if shutil.which(get_cxx_compiler()) is None:
         return f"no C++ compiler: {get_cxx_compiler()!r} is not on PATH (install g++, or set CXX)"
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: the pip package's, outside an activated venv
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    isa = torch.backends.cpu.get_cpu_capability().lower()
     name = f"medusa_kernels_{isa}"
-    if not any(Path(get_default_build_root()).glob(f"*/{name}/{name}.so")):  # torch's layout: <python, cuda>/<name>
-        print("medusa: building the native CPU kernels for this machine (once, about 30 s)", file=sys.stderr)
+    build = cache_root() / "kernels" / f"{name}_{sys.implementation.cache_tag}_torch{torch.__version__}"
+    if not (build / f"{name}.so").exists():
+        print(f"medusa: building the native CPU kernels ({isa}) for this machine (once, about 30 s)", file=sys.stderr)
+    build.mkdir(parents=True, exist_ok=True)
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]  # rebuilt when they change
     try:  # -Wno-psabi: vectors passed between the functions of one path, all inlined into it
-        load(name, [str(source) for source in SOURCES], extra_cflags=["-O3", "-fopenmp", "-Wno-psabi",
-             *ISA_FLAGS.get(isa, [])], extra_ldflags=["-fopenmp"], is_python_module=False)
+        load(name, [str(source) for source in SOURCES], extra_cflags=[
+             "-O3", "-fopenmp", "-Wno-psabi", "-ffp-contract=off", "-fvisibility=hidden", f"-DMEDUSA_OPS=medusa_{isa}",
+             f"-DMEDUSA_HEADERS={headers}", *VARIANTS[isa]], extra_ldflags=["-fopenmp"], build_directory=str(build),
+             is_python_module=False)
     except Exception as error:  # the compiler's own output: its first error line says why
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         return f"the native kernels did not build: {next((l for l in lines if 'error' in l.lower()), lines[0] if lines else error)}"
-    torch.library.register_fake("medusa::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
-    torch.library.register_fake("medusa::linear_blocks")(lambda x, codes, scales, bits: x.new_empty(x.shape[0],
-                                                                                                      codes.shape[0]))
-    torch.library.register_fake("medusa::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
-    torch.library.register_fake("medusa::attention")(lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2],
-                                                                                              q.shape[1], q.shape[3]))
+    namespace = f"medusa_{isa}"
+    torch.library.register_fake(f"{namespace}::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
+    torch.library.register_fake(f"{namespace}::linear_blocks")(
+        lambda x, codes, scales, bits: x.new_empty(x.shape[0], codes.shape[0]))
+    torch.library.register_fake(f"{namespace}::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
+    torch.library.register_fake(f"{namespace}::attention")(
+        lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
     return None
 
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code that runs a step here (this module and the native sources): step latencies measured
-    under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
-    digest = hashlib.sha256(Path(__file__).read_bytes())
-    for source in SOURCES:
+    """A digest of the code that runs a step here (this module, the native sources and the variant that runs them):
+    step latencies measured under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
+    digest = hashlib.sha256(Path(__file__).read_bytes() + variant().encode())
+    for source in SOURCES + HEADERS:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
 
-def load_native() -> None:
-    """Loads medusa::linear, building it once; a RuntimeError saying why where it cannot be built."""
-    if (error := native_build()) is not None:
+def load_native(isa: str | None = None):
+    """The ops of variant `isa` (None: the engine's), built once; a RuntimeError saying why where they cannot be."""
+    global OPS
+    if (error := native_build(isa)) is not None:
         raise RuntimeError(f"kernels='native': the native CPU kernel cannot be built here: {error}")
+    ops = getattr(torch.ops, f"medusa_{isa or variant()}")
+    if isa is None or isa == variant():
+        OPS = ops
+    return ops
 
 
 @functools.cache
@@ -130,7 +169,7 @@ def native_available() -> bool:
 
 def blocks_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W.T for W held as GGUF blocks (block_codes' codes and scales; 4- or 8-bit, told by their width)."""
-    return torch.ops.medusa.linear_blocks(x, codes, scales, 8 * codes.shape[1] // x.shape[-1])
+    return OPS.linear_blocks(x, codes, scales, 8 * codes.shape[1] // x.shape[-1])
 
 
 class NativeLinear(nn.Linear):
@@ -148,7 +187,7 @@ class NativeLinear(nn.Linear):
         if (codes := self._buffers.get("codes")) is not None:
             out = blocks_linear(x2, codes, self._buffers["scales"])
         else:
-            out = torch.ops.medusa.linear(x2, self.weight)
+            out = OPS.linear(x2, self.weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
 
@@ -163,7 +202,7 @@ class Q8Linear(NativeLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * x.shape[-1]:
             return nn.functional.linear(x, self.weight, self.bias)
-        out = torch.ops.medusa.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
+        out = OPS.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
                                          self.out_features, -1)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
@@ -192,8 +231,7 @@ def q8_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
 
 def q8_paths() -> list[str]:
     """The instruction paths of medusa::linear_q8 this CPU runs (all give the same bits), slowest first."""
-    load_native()
-    return [name for name in torch.ops.medusa.q8_path_names() if name]
+    return [name for name in load_native().q8_path_names() if name]
 
 
 def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -335,7 +373,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = None if mask is None else mask[:, 0].expand(batch, -1, -1)
-    return torch.ops.medusa.attention(query, key, value, mask, scale), None
+    return OPS.attention(query, key, value, mask, scale), None
 
 
 AttentionInterface.register(INVARIANT_ATTENTION, invariant_attention)

@@ -24,65 +24,15 @@
 #include <cstring>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef int32_t i32x16 __attribute__((vector_size(64)));
+using namespace simd;
+
 constexpr int64_t LANES = 16;
 constexpr int64_t MAX_HEAD_DIM = 256;
 constexpr int64_t TILE_KEYS = 64;  // keys read by every query of a group before the next: 16 KB of 64-float rows
-
-inline f32x16 load(const float* p, int64_t count) {
-  f32x16 v = {};
-  std::memcpy(&v, p, sizeof(float) * count);
-  return v;
-}
-
-inline f32x16 load(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline float sum(f32x16 s) {
-  return (((s[0] + s[8]) + (s[4] + s[12])) + ((s[2] + s[10]) + (s[6] + s[14]))) +
-         (((s[1] + s[9]) + (s[5] + s[13])) + ((s[3] + s[11]) + (s[7] + s[15])));
-}
-
-// e^x for x <= 0, lane by lane: Cephes' polynomial on x - n ln 2 (relative error ~1e-7; below e^-87, 2^-126 * p)
-inline f32x16 exp16(f32x16 x) {
-  x = x < -87.0f ? f32x16{} - 87.0f : x;
-  f32x16 n = __builtin_convertvector(__builtin_convertvector(x * 1.44269504088896341f + 0.5f, i32x16), f32x16);
-  n = n > x * 1.44269504088896341f + 0.5f ? n - 1 : n;  // floor (the conversion truncates towards zero)
-  x = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const f32x16 z = x * x;
-  f32x16 y = 1.9875691500e-4f * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * z + x + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;  // 2^n
-  f32x16 scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return y * scale;
-}
-
-// 16 vectors' lane sums, the sum of vector i in lane i: halves added, then quarters, eighths, pairs. Every vector is
-// summed by the same tree of additions (lane l + lane l + 8 first), whichever lane it lands in.
-inline f32x16 sums16(f32x16 v[LANES]) {
-  for (int i = 0; i < 8; i++)  // vectors 2i, 2i + 1 -> lanes 0-7, 8-15
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-  for (int i = 0; i < 4; i++)  // 4 lanes each
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-  for (int i = 0; i < 2; i++)  // 2 lanes each
-    v[i] = __builtin_shufflevector(v[2 * i], v[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-           __builtin_shufflevector(v[2 * i], v[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-  return __builtin_shufflevector(v[0], v[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-         __builtin_shufflevector(v[0], v[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-}
 
 // softmax(q k^T * scale) v for one query head over the keys at `cols`, in three passes that the caller interleaves
 // with other queries' (attend_group): scores, exponentials, weighted values. C: head_dim / 16 when a multiple of 16
@@ -96,8 +46,8 @@ inline int64_t chunks_of(int64_t D) {  // vectors in a row of the head dim
 }
 
 template <int C>
-inline f32x16 chunk(const float* x, int64_t c, int64_t D) {
-  return C ? load(x + c * LANES) : load(x + c * LANES, std::min(LANES, D - c * LANES));
+inline F16 chunk(const float* x, int64_t c, int64_t D) {
+  return C ? load16(x + c * LANES) : load16(x + c * LANES, std::min(LANES, D - c * LANES));
 }
 
 struct Query {
@@ -105,8 +55,8 @@ struct Query {
   float* o;
   const std::vector<int64_t>* cols;
   float* p;    // the scores, then the exponentials: cols->size() rounded up to whole vectors
-  f32x16* out; // the weighted values so far, head_dim / 16 vectors
-  f32x16 top16;
+  F16* out;    // the weighted values so far, head_dim / 16 vectors
+  F16 top16;
   float inverse;
 };
 
@@ -115,39 +65,35 @@ template <int C>
 void scores(Query& a, const float* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
   const std::vector<int64_t>& cols = *a.cols;
   const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  f32x16 q[MAX_HEAD_DIM / LANES];
+  F16 q[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) q[c] = chunk<C>(a.q, c, D);
   for (int64_t i = i0; i < n; i += LANES) {  // the row is padded: a whole vector is written
-    f32x16 acc[LANES];
+    F16 acc[LANES];
     for (int64_t j = 0; j < LANES; j++) {
       if (i + j >= n) {
-        acc[j] = f32x16{};
+        acc[j] = zero();
         continue;
       }
       const float* kp = K + cols[i + j] * krow;
-      acc[j] = q[0] * chunk<C>(kp, 0, D);
-      for (int64_t c = 1; c < chunks; c++) acc[j] += q[c] * chunk<C>(kp, c, D);
+      F16 s = q[0] * chunk<C>(kp, 0, D);
+      for (int64_t c = 1; c < chunks; c++) s = fma(q[c], chunk<C>(kp, c, D), s);
+      acc[j] = half(s);
     }
-    f32x16 s = sums16(acc) * scale;
-    s = lane < float(n - i) ? s : f32x16{} - INFINITY;
-    std::memcpy(a.p + i, &s, sizeof s);
-    a.top16 = s > a.top16 ? s : a.top16;
+    const F16 s = first(sums16(acc) * scale, n - i, -INFINITY);
+    store16(a.p + i, s);
+    a.top16 = max(s, a.top16);
   }
 }
 
 // the scores' exponentials, in place, and the inverse of their sum
 void exponentials(Query& a) {
   const int64_t n = a.cols->size();
-  const f32x16 lane = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  float top = -INFINITY;
-  for (int64_t l = 0; l < LANES; l++) top = std::max(top, a.top16[l]);
-  f32x16 total = {};
+  const float top = lane_max(a.top16);
+  F16 total = zero();
   for (int64_t i = 0; i < n; i += LANES) {
-    f32x16 e = exp16(load(a.p + i) - top);
-    e = lane < float(n - i) ? e : f32x16{};
-    std::memcpy(a.p + i, &e, sizeof e);
-    total += e;
+    const F16 e = first(exp(load16(a.p + i) - top), n - i, 0);
+    store16(a.p + i, e);
+    total = total + e;
   }
   a.inverse = n ? 1 / sum(total) : 0;
 }
@@ -157,11 +103,11 @@ template <int C>
 void values(Query& a, const float* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
   const std::vector<int64_t>& cols = *a.cols;
   const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
-  f32x16 out[MAX_HEAD_DIM / LANES];
+  F16 out[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) out[c] = a.out[c];
   for (int64_t i = i0; i < n; i++) {
     const float* vp = V + cols[i] * vrow;
-    for (int64_t c = 0; c < chunks; c++) out[c] += a.p[i] * chunk<C>(vp, c, D);
+    for (int64_t c = 0; c < chunks; c++) out[c] = fma(a.p[i], chunk<C>(vp, c, D), out[c]);
   }
   for (int64_t c = 0; c < chunks; c++) a.out[c] = out[c];
 }
@@ -181,10 +127,7 @@ void attend_group(std::vector<Query>& group, const float* K, const float* V, int
     for (Query& a : group) values<C>(a, V, i, i + TILE_KEYS, D, vrow);
   const int64_t chunks = chunks_of<C>(D);
   for (Query& a : group)
-    for (int64_t c = 0; c < chunks; c++) {
-      const f32x16 o = a.out[c] * a.inverse;
-      std::memcpy(a.o + c * LANES, &o, sizeof(float) * std::min(LANES, D - c * LANES));
-    }
+    for (int64_t c = 0; c < chunks; c++) store16(a.o + c * LANES, a.out[c] * a.inverse, std::min(LANES, D - c * LANES));
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
@@ -229,16 +172,16 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   at::parallel_for(0, groups * parts, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (S + LANES - 1) / LANES * LANES, chunks = chunks_of<0>(D);
     std::vector<float> p(per * padded);
-    std::vector<f32x16> outs(per * chunks);
+    std::vector<F16> outs(per * chunks);
     std::vector<Query> group;
     for (int64_t task = begin; task < end; task++) {
       const int64_t b = task / parts / Hkv, g = task / parts % Hkv, first = task % parts * per;
       group.clear();
       for (int64_t i = first; i < std::min(queries, first + per); i++) {  // query i: token i / G, head g * G + i % G
         const int64_t bt = b * T + i / G, h = g * G + i % G, slot = i - first;
-        std::fill(outs.begin() + slot * chunks, outs.begin() + (slot + 1) * chunks, f32x16{});
+        std::fill(outs.begin() + slot * chunks, outs.begin() + (slot + 1) * chunks, zero());
         group.push_back({Q + (bt * H + h) * D, O + (bt * H + h) * D, &seen[bt], p.data() + slot * padded,
-                         outs.data() + slot * chunks, f32x16{} - INFINITY, 0});
+                         outs.data() + slot * chunks, splat16(-INFINITY), 0});
       }
       run(group, K + b * k.stride(0) + g * k.stride(1), V + b * v.stride(0) + g * v.stride(1), D, k.stride(2),
           v.stride(2), float(scale));
@@ -249,10 +192,13 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 
 }  // namespace
 
-TORCH_LIBRARY_FRAGMENT(medusa, m) {
+#define DEFINE_MORE_OPS(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+DEFINE_MORE_OPS(MEDUSA_OPS, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(medusa, CPU, m) {
+IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
   m.impl("attention", &attention);
 }

@@ -1,12 +1,10 @@
 // medusa::linear(x, w) = x @ w.T in float32 on the CPU, for the few rows of a MEDUSA step (1-128 tokens).
 //
 // Two properties stock kernels lack:
-//  - each weight row is read from memory once for every 4 rows of x, and the next tile's weight rows are
-//    prefetched while this one computes: a pass over 2-8 tokens costs little more than one over 1 token (on a
-//    2-core Xeon, SmolLM2's linears over 1/4/8 tokens: 16.0/17.6/20.0 ms; MKL 17.0/28.0/32.4);
+//  - each weight row is read from memory once for every tile of x's rows, and the next tile's weight rows are
+//    prefetched while this one computes: a pass over 2-8 tokens costs little more than one over 1 token;
 //  - batch invariance: every output element sums its products in the same order whatever the number of rows,
-//    so a token's linear layers give it bitwise the same values in a tree pass as in a one-token pass (what is
-//    left between the two is attention's rounding, ~1e-5 of a logit, as with stock kernels).
+//    so a token's linear layers give it bitwise the same values in a tree pass as in a one-token pass.
 //
 // medusa::linear_blocks computes the same for weights that are exactly GGUF Q4_1 or Q8_0 blocks (a model
 // dequantized from such a file, as the embedded default is): per block of 32 weights w = code * d + m, with 4-bit
@@ -14,47 +12,53 @@
 // block decodes to bitwise the float32 weight. Over up to 8 tokens (a MEDUSA step) the weights are decoded in
 // registers and multiplied at once; over more, each tile's weight rows are decoded into a buffer that the same
 // float32 tile then reads. Both sum every product in medusa::linear's order: the output is bitwise its, from 0.75
-// (Q4_1) or 1.25 (Q8_0) bytes a weight instead of 4. SmolLM2's 211 linears on a 2-core EPYC (Zen 4), 1 / 2 / 4 /
-// 5 / 8 tokens: 7.8 / 8.8 / 11.0 / 13.5 / 19.1 ms in registers, 9.5 / 13.0 / 14.7 / 17.3 / 21.2 through the buffer.
+// (Q4_1) or 1.25 (Q8_0) bytes a weight instead of 4.
 //
-// Written with GCC/Clang vector extensions: the compiler emits AVX-512, AVX2 or NEON for the machine it runs on.
+// The arithmetic is simd.h's 16-lane vectors: every instruction-set variant (AVX-512, AVX2, baseline) gives the
+// same bits; only the tiles differ, sized for each one's registers.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
 
-typedef float v16 __attribute__((vector_size(64)));
-typedef float v8 __attribute__((vector_size(32)));
-typedef float v4 __attribute__((vector_size(16)));
+using namespace simd;
 
 constexpr int64_t LANES = 16;
-constexpr int64_t TILE = 4;  // rows of x and of w per tile: 16 accumulators, 8 loads for 16 FMAs
+constexpr int64_t TILE = 4;  // weight rows a task
 constexpr int64_t BLOCK = 32;  // weights per GGUF block
 constexpr int64_t DECODING_ROWS = 8;  // up to here blocks are decoded in registers, for all the tokens at once
+// accumulators a tile keeps in registers (native vectors), and the tile of medusa::linear: TX rows of x by TW of w
+#if SIMD_W == 16
+constexpr int ACCUMULATORS = 16, TX = 4, TW = 4;
+#elif SIMD_W == 8
+constexpr int ACCUMULATORS = 12, TX = 3, TW = 2;
+#else
+constexpr int ACCUMULATORS = 8, TX = 2, TW = 1;
+#endif
+constexpr int DECODING_X = ACCUMULATORS / P;  // rows of x a pass that decodes blocks in registers
 
-// `count` floats from p, zero-padded to a vector (count < LANES only at the end of a row)
-inline v16 load(const float* p, int64_t count) {
-  v16 v = {};
-  std::memcpy(&v, p, sizeof(float) * count);
-  return v;
-}
-
-inline float sum(v16 a) {
-  v8 b = __builtin_shufflevector(a, a, 0, 1, 2, 3, 4, 5, 6, 7) +
-         __builtin_shufflevector(a, a, 8, 9, 10, 11, 12, 13, 14, 15);
-  v4 c = __builtin_shufflevector(b, b, 0, 1, 2, 3) + __builtin_shufflevector(b, b, 4, 5, 6, 7);
-  return (c[0] + c[2]) + (c[1] + c[3]);
+// acc[i][j] += x rows' 16 floats at k times w rows', part by part (both rows padded: whole vectors)
+template <int MB, int NB, bool PREFETCH>
+inline void step(F16 (&acc)[MB][NB], const float* x, int64_t xrow, const float* w, int64_t wrow, const float* next) {
+  for (int p = 0; p < P; p++) {
+    V wv[NB];
+    for (int j = 0; j < NB; j++) wv[j] = load(w + j * wrow + p * W);
+    for (int i = 0; i < MB; i++) {
+      const V xv = load(x + i * xrow + p * W);
+      for (int j = 0; j < NB; j++) acc[i][j].p[p] = fma(xv, wv[j], acc[i][j].p[p]);
+    }
+  }
+  if (PREFETCH)
+    for (int j = 0; j < NB; j++) __builtin_prefetch(next + j * wrow, 0, 2);
 }
 
 // y[m0:m0+MB, n0:n0+NB] for x [M, K], y [M, N] and w the NB weight rows [NB, K]; `next` is the weight rows to
@@ -62,20 +66,15 @@ inline float sum(v16 a) {
 template <int MB, int NB, bool PREFETCH>
 void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t m0, int64_t n0,
           const float* next) {
-  v16 acc[MB][NB] = {};
-  auto step = [&](int64_t k, int64_t count) {  // inlined: count is a constant in the main loop
-    v16 wv[NB], xv[MB];
-    for (int j = 0; j < NB; j++) {
-      wv[j] = load(w + j * K + k, count);
-      if (PREFETCH) __builtin_prefetch(next + j * K + k, 0, 2);
-    }
-    for (int i = 0; i < MB; i++) xv[i] = load(x + (m0 + i) * K + k, count);
-    for (int i = 0; i < MB; i++)
-      for (int j = 0; j < NB; j++) acc[i][j] += xv[i] * wv[j];
-  };
+  F16 acc[MB][NB] = {};
   int64_t k = 0;
-  for (; k + LANES <= K; k += LANES) step(k, LANES);
-  if (k < K) step(k, K - k);
+  for (; k + LANES <= K; k += LANES) step<MB, NB, PREFETCH>(acc, x + m0 * K + k, K, w + k, K, next + k);
+  if (k < K) {  // the rows' tails, zero-padded
+    float xt[MB][LANES] = {}, wt[NB][LANES] = {};
+    for (int i = 0; i < MB; i++) std::memcpy(xt[i], x + (m0 + i) * K + k, sizeof(float) * (K - k));
+    for (int j = 0; j < NB; j++) std::memcpy(wt[j], w + j * K + k, sizeof(float) * (K - k));
+    step<MB, NB, false>(acc, xt[0], LANES, wt[0], LANES, nullptr);
+  }
   for (int i = 0; i < MB; i++)
     for (int j = 0; j < NB; j++) y[(m0 + i) * N + n0 + j] = sum(acc[i][j]);
 }
@@ -84,7 +83,7 @@ template <int NB, bool PREFETCH>
 void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
               const float* next) {
   int64_t m = 0;
-  for (; m + TILE <= M; m += TILE) tile<TILE, NB, PREFETCH>(x, w, y, K, N, m, n0, next);
+  for (; m + TX <= M; m += TX) tile<TX, NB, PREFETCH>(x, w, y, K, N, m, n0, next);
   switch (M - m) {
     case 3: tile<3, NB, PREFETCH>(x, w, y, K, N, m, n0, next); break;
     case 2: tile<2, NB, PREFETCH>(x, w, y, K, N, m, n0, next); break;
@@ -101,35 +100,16 @@ struct Float32 {
   const float* rows(int64_t n0, int64_t, int64_t, float*) const { return w + n0 * K; }
 };
 
-// Decoding converts DECODE_LANES codes at a time, the machine's vector width.
-#ifdef __AVX512F__
-constexpr int DECODE_LANES = 16;
-#else
-constexpr int DECODE_LANES = 8;
-#endif
-typedef float vd __attribute__((vector_size(4 * DECODE_LANES)));
-typedef int32_t id __attribute__((vector_size(4 * DECODE_LANES)));
-typedef uint8_t ud __attribute__((vector_size(DECODE_LANES), aligned(1)));
-typedef int32_t id16 __attribute__((vector_size(4 * LANES)));
-typedef uint8_t u8v __attribute__((vector_size(LANES)));
-
-// unsigned 8-bit codes U to the int32 lanes I (as many)
-template <typename I, typename U>
-inline I widen(U codes) {
-#ifdef __AVX512F__
-  if constexpr (sizeof(I) == 64) return (I)_mm512_cvtepu8_epi32((__m128i)codes);  // GCC 12 makes ~10 of the below
-#endif
-  typedef uint16_t u16 __attribute__((vector_size(sizeof(I) / 2)));
-  return __builtin_convertvector(__builtin_convertvector(codes, u16), I);  // 8 -> 32 bits directly: lane by lane
+// part p (W weights) of a block's first and second 16 weights: codes [32] (8 bits) or [16] (4 bits, byte i holding
+// weight i in its low nibble and i + 16 in its high one); code * d is exact, so the fused form rounds as w does
+template <int BITS>
+inline void decode(const uint8_t* codes, int p, float d, float m, V& first, V& second) {
+  const I a = widen(codes + p * W), b = BITS == 8 ? widen(codes + 16 + p * W) : a >> 4;
+  first = fma(to_float(BITS == 8 ? a : a & 15), splat(d), splat(m));
+  second = fma(to_float(b), splat(d), splat(m));
 }
 
-inline void decode(ud codes, float d, float m, float* out) {
-  const vd w = __builtin_convertvector(widen<id>(codes), vd) * d + m;
-  std::memcpy(out, &w, sizeof w);
-}
-
-// codes [N, K * BITS / 8]: 8 bits, one byte a weight; 4 bits, byte i of a block holds weight i (low nibble) and
-// weight i + 16 (high nibble), as GGUF's Q4_1. dm [N, K / 32, 2]: each block's d and m.
+// codes [N, K * BITS / 8] (GGUF's bytes, block after block); dm [N, K / 32, 2]: each block's d and m.
 template <int BITS>
 struct Blocks {
   const uint8_t* codes;
@@ -145,83 +125,74 @@ struct Blocks {
     float* out = buffer;
     for (int64_t b = 0; b < blocks; b++, c += BYTES, ahead += BYTES, s += 2, out += BLOCK) {
       if ((b * BYTES) % 64 == 0) __builtin_prefetch(ahead, 0, 2);  // once a cache line
-      for (int64_t i = 0; i < BYTES; i += DECODE_LANES) {
-        const ud bytes = *reinterpret_cast<const ud*>(c + i);
-        if (BITS == 8) {
-          decode(bytes, s[0], s[1], out + i);
-        } else {
-          decode(bytes & 15, s[0], s[1], out + i);
-          decode(bytes >> 4, s[0], s[1], out + i + BLOCK / 2);
-        }
+      for (int p = 0; p < P; p++) {
+        V first, second;
+        decode<BITS>(c, p, s[0], s[1], first, second);
+        store(out + p * W, first);
+        store(out + LANES + p * W, second);
       }
     }
     return buffer;
   }
 };
 
-// y[0:M, n0:n0+NB] for M <= DECODING_ROWS tokens, the weight rows decoded in registers as they are multiplied: a buffer
-// written and read back costs more than the products over so few tokens (a 512-bit store a 16 weights). Each
-// accumulator sums the same products in the same order as `tile` does over a decoded buffer: the same bits.
+// y[0:MB, n0:n0+NB] for MB <= DECODING_X tokens, the weight rows decoded in registers as they are multiplied: a
+// buffer written and read back costs more than the products over so few tokens. Each accumulator sums the same
+// products in the same order as `tile` does over a decoded buffer (per block, weights 0-15, then 16-31): the same bits.
 template <int MB, int NB, int BITS>
-void tile_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
-  const int64_t K = w.K, blocks = K / BLOCK;
-  v16 acc[MB][NB] = {};
+void tile_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
+  constexpr int64_t BYTES = Blocks<BITS>::BYTES;
+  const int64_t blocks = w.K / BLOCK;
+  F16 acc[MB][NB] = {};
   for (int64_t b = 0; b < blocks; b++) {
-    v16 lo[NB], hi[NB];  // the block's weights 0-15 and 16-31 of each row
     for (int j = 0; j < NB; j++) {
-      const uint8_t* c = w.codes + ((n0 + j) * blocks + b) * Blocks<BITS>::BYTES;
+      const uint8_t* c = w.codes + ((n0 + j) * blocks + b) * BYTES;
       const float* s = w.dm + ((n0 + j) * blocks + b) * 2;
-      if ((b * Blocks<BITS>::BYTES) % 64 == 0) __builtin_prefetch(c + TILE * blocks * Blocks<BITS>::BYTES, 0, 2);
-      if ((b * 8) % 64 == 0) __builtin_prefetch(s + TILE * blocks * 2, 0, 2);  // the next tile's row j
-      u8v first, second;
-      std::memcpy(&first, c, LANES);
-      if (BITS == 8) {
-        std::memcpy(&second, c + LANES, LANES);
-      } else {
-        second = first >> 4, first &= 15;
+      if ((b * BYTES) % 64 == 0) __builtin_prefetch(c + TILE * blocks * BYTES, 0, 2);  // the next tile's row j
+      if ((b * 8) % 64 == 0) __builtin_prefetch(s + TILE * blocks * 2, 0, 2);
+      for (int p = 0; p < P; p++) {
+        V first, second;
+        decode<BITS>(c, p, s[0], s[1], first, second);
+        for (int i = 0; i < MB; i++) {
+          const float* xb = x + i * xrow + b * BLOCK + p * W;
+          acc[i][j].p[p] = fma(load(xb), first, acc[i][j].p[p]);
+          acc[i][j].p[p] = fma(load(xb + LANES), second, acc[i][j].p[p]);
+        }
       }
-      lo[j] = __builtin_convertvector(widen<id16>(first), v16) * s[0] + s[1];
-      hi[j] = __builtin_convertvector(widen<id16>(second), v16) * s[0] + s[1];
-    }
-    for (int i = 0; i < MB; i++) {
-      const v16 xlo = load(x + i * K + b * BLOCK, LANES), xhi = load(x + i * K + b * BLOCK + LANES, LANES);
-      for (int j = 0; j < NB; j++) acc[i][j] += xlo * lo[j];
-      for (int j = 0; j < NB; j++) acc[i][j] += xhi * hi[j];
     }
   }
   for (int i = 0; i < MB; i++)
     for (int j = 0; j < NB; j++) y[i * N + n0 + j] = sum(acc[i][j]);
 }
 
-// the weight rows [n0, n0 + TILE), NB at a time: MB x NB accumulators and NB rows' weights fit the 32 registers
+// the weight rows [n0, n0 + TILE), NB at a time: MB x NB accumulators fit the registers
 template <int MB, int BITS>
-void rows_decoding(const float* x, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
-  constexpr int NB = MB <= 4 ? 4 : 2;
+void rows_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
+  constexpr int NB = std::max(1, std::min<int>(TILE, ACCUMULATORS / (MB * P)));
   const int64_t end = std::min(n0 + TILE, N);
   int64_t n = n0;
-  for (; n + NB <= end; n += NB) tile_decoding<MB, NB, BITS>(x, w, y, N, n);
-  for (; n < end; n++) tile_decoding<MB, 1, BITS>(x, w, y, N, n);
+  for (; n + NB <= end; n += NB) tile_decoding<MB, NB, BITS>(x, xrow, w, y, N, n);
+  for (; n < end; n++) tile_decoding<MB, 1, BITS>(x, xrow, w, y, N, n);
+}
+
+template <int BITS, int MB = DECODING_X>
+void rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
+  if constexpr (MB > 1) {
+    if (M < MB) return rows_decoding_upto<BITS, MB - 1>(M, x, xrow, w, y, N, n0);
+  }
+  rows_decoding<MB, BITS>(x, xrow, w, y, N, n0);
 }
 
 template <int BITS>
 at::Tensor run_decoding(const at::Tensor& x, const Blocks<BITS>& weights, int64_t N) {
-  const int64_t M = x.size(0);
+  const int64_t M = x.size(0), K = weights.K;
   at::Tensor y = at::empty({M, N}, x.options());
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++) {
-      switch (M) {
-        case 1: rows_decoding<1, BITS>(X, weights, Y, N, t * TILE); break;
-        case 2: rows_decoding<2, BITS>(X, weights, Y, N, t * TILE); break;
-        case 3: rows_decoding<3, BITS>(X, weights, Y, N, t * TILE); break;
-        case 4: rows_decoding<4, BITS>(X, weights, Y, N, t * TILE); break;
-        case 5: rows_decoding<5, BITS>(X, weights, Y, N, t * TILE); break;
-        case 6: rows_decoding<6, BITS>(X, weights, Y, N, t * TILE); break;
-        case 7: rows_decoding<7, BITS>(X, weights, Y, N, t * TILE); break;
-        default: rows_decoding<8, BITS>(X, weights, Y, N, t * TILE); break;
-      }
-    }
+    for (int64_t t = begin; t < end; t++)
+      for (int64_t m = 0; m < M; m += DECODING_X)
+        rows_decoding_upto<BITS>(std::min<int64_t>(DECODING_X, M - m), X + m * K, K, weights, Y + m * N, N, t * TILE);
   });
   return y;
 }
@@ -241,7 +212,9 @@ at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
       const int64_t next = std::max<int64_t>(0, std::min(n0 + TILE, N - TILE));  // the next tile's first row
       const float* w = weights.rows(n0, rows, next, buffer);
       if (rows == TILE) {
-        all_rows<TILE, Weights::in_place>(X, w, Y, M, K, N, n0, Weights::in_place ? w + (next - n0) * K : nullptr);
+        for (int64_t j = 0; j < TILE; j += TW)
+          all_rows<TW, Weights::in_place>(X, w + j * K, Y, M, K, N, n0 + j,
+                                          Weights::in_place ? w + (next - n0 + j) * K : nullptr);
       } else {
         for (int64_t j = 0; j < rows; j++) all_rows<1, false>(X, w + j * K, Y, M, K, N, n0 + j, nullptr);
       }
@@ -470,24 +443,26 @@ TARGET_AVX512 __attribute__((flatten)) void q8_avx512_vnni(const Q8& a, int64_t 
 // the paths, by the number medusa::linear_q8 takes (-1: the fastest this CPU runs)
 struct Q8Path {
   const char* name;
-  bool (*supported)();
+  int width;  // the vector width (in floats) the path needs this build to have been made for
+  bool (*runs)();
   Groups q4, q8;
+  bool supported() const { return width <= W && runs(); }
 };
 const Q8Path Q8_PATHS[] = {
-    {"scalar", [] { return true; }, q8_scalar<4>, q8_scalar<8>},
+    {"scalar", 4, [] { return true; }, q8_scalar<4>, q8_scalar<8>},
 #if defined(__x86_64__)
-    {"avx2", [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+    {"avx2", 8, [] { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
                          __builtin_cpu_supports("f16c"); }, q8_avx2<4>, q8_avx2<8>},
-    {"avx_vnni", [] { return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") &&
+    {"avx_vnni", 8, [] { return __builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2") &&
                              __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }, q8_avx_vnni<4>, q8_avx_vnni<8>},
-    {"avx512_vnni", [] { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+    {"avx512_vnni", 16, [] { return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
                                 __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx2") &&
                                 __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"); }, q8_avx512_vnni<4>, q8_avx512_vnni<8>},
 #endif
 };
 constexpr int64_t Q8_PATH_COUNT = sizeof(Q8_PATHS) / sizeof(Q8_PATHS[0]);
 
-// the names of the paths this CPU runs, the fastest last; a path's number is its index in q8_path_names
+// the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is its index in q8_path_names
 std::vector<std::string> q8_path_names() {
   std::vector<std::string> names;
   for (const Q8Path& path : Q8_PATHS) names.push_back(path.supported() ? path.name : "");
@@ -535,16 +510,23 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+std::string variant() { return VARIANT; }
+
 }  // namespace
 
-TORCH_LIBRARY(medusa, m) {
+// MEDUSA_OPS names the ops' namespace: one per instruction-set variant (medusa_avx2, ...), so that all load side by side
+#define DEFINE_OPS(ns, m) TORCH_LIBRARY(ns, m)
+#define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+
+DEFINE_OPS(MEDUSA_OPS, m) {
+  m.def("variant() -> str", &variant);
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear_blocks(Tensor x, Tensor codes, Tensor dm, int bits) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor dm, int n, int path) -> Tensor");
   m.def("q8_path_names() -> str[]", &q8_path_names);
 }
 
-TORCH_LIBRARY_IMPL(medusa, CPU, m) {
+IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_blocks", &linear_blocks);
   m.impl("linear_q8", &linear_q8);

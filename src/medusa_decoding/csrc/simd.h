@@ -1,0 +1,239 @@
+// The kernels' vectors. Their arithmetic is defined on 16 float lanes (F16); each instruction set holds an F16 as
+// P native vectors of W lanes (AVX-512: 1 x 16, AVX2 + FMA: 2 x 8, the portable baseline: 4 x 4) and does the same
+// lane operations in the same order. Sources build with -ffp-contract=off, so a multiply-add is fused only where
+// `fma` says so, on every build: each variant gives the same bits, and its code stays in native registers (GCC
+// splits a generic 16-lane vector on AVX2 through the stack). Horizontal sums add lane l and lane l + half, halves
+// first, then quarters, eighths, pairs: one tree for every variant.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+namespace {  // internal linkage: each variant's library keeps its own
+namespace simd {
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__FMA__)
+#define SIMD_W 16
+constexpr const char* VARIANT = "avx512";
+#elif defined(__AVX2__) && defined(__FMA__)
+#define SIMD_W 8
+constexpr const char* VARIANT = "avx2";
+#else
+#define SIMD_W 4
+constexpr const char* VARIANT = "baseline";
+#endif
+constexpr int W = SIMD_W;
+constexpr int P = 16 / W;
+
+typedef float V __attribute__((vector_size(4 * W)));
+typedef int32_t I __attribute__((vector_size(4 * W)));
+
+inline V splat(float x) { return V{} + x; }
+inline V load(const float* p) {
+  V v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline void store(float* p, V v) { std::memcpy(p, &v, sizeof v); }
+
+inline V fma(V a, V b, V c) {  // a * b + c, rounded once
+#if SIMD_W == 16
+  return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif SIMD_W == 8
+  return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#elif defined(__aarch64__)
+  return (V)vfmaq_f32((float32x4_t)c, (float32x4_t)a, (float32x4_t)b);
+#else
+  for (int l = 0; l < W; l++) c[l] = std::fma(a[l], b[l], c[l]);
+  return c;
+#endif
+}
+
+// W unsigned bytes at p, as int32 lanes
+inline I widen(const uint8_t* p) {
+#if SIMD_W == 16
+  return (I)_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+#elif SIMD_W == 8
+  return (I)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+#else
+  I v;
+  for (int l = 0; l < W; l++) v[l] = p[l];
+  return v;
+#endif
+}
+
+inline V to_float(I v) { return __builtin_convertvector(v, V); }
+
+// 16 lanes as P native vectors
+struct F16 {
+  V p[P];
+};
+
+inline F16 zero() { return F16{}; }
+
+inline F16 load16(const float* x) {
+  F16 a;
+  for (int i = 0; i < P; i++) a.p[i] = load(x + i * W);
+  return a;
+}
+
+inline F16 load16(const float* x, int64_t count) {  // lanes past count are 0
+  float buffer[16] = {};
+  std::memcpy(buffer, x, sizeof(float) * count);
+  return load16(buffer);
+}
+
+inline void store16(float* x, F16 a, int64_t count = 16) {
+  float buffer[16];
+  for (int i = 0; i < P; i++) std::memcpy(buffer + i * W, &a.p[i], sizeof(V));
+  std::memcpy(x, buffer, sizeof(float) * count);
+}
+
+inline F16 fma(F16 a, F16 b, F16 c) {
+  for (int i = 0; i < P; i++) c.p[i] = fma(a.p[i], b.p[i], c.p[i]);
+  return c;
+}
+
+inline F16 fma(float a, F16 b, F16 c) {
+  const V s = splat(a);
+  for (int i = 0; i < P; i++) c.p[i] = fma(s, b.p[i], c.p[i]);
+  return c;
+}
+
+inline F16 operator+(F16 a, F16 b) {
+  for (int i = 0; i < P; i++) a.p[i] += b.p[i];
+  return a;
+}
+
+inline F16 splat16(float x) {
+  F16 a;
+  for (int i = 0; i < P; i++) a.p[i] = splat(x);
+  return a;
+}
+
+inline F16 operator*(F16 a, F16 b) {
+  for (int i = 0; i < P; i++) a.p[i] *= b.p[i];
+  return a;
+}
+
+inline F16 operator-(F16 a, float s) {
+  for (int i = 0; i < P; i++) a.p[i] -= s;
+  return a;
+}
+
+inline F16 operator*(F16 a, float s) {
+  for (int i = 0; i < P; i++) a.p[i] *= s;
+  return a;
+}
+
+inline F16 max(F16 a, F16 b) {  // a > b ? a : b, lane by lane
+  for (int i = 0; i < P; i++) a.p[i] = a.p[i] > b.p[i] ? a.p[i] : b.p[i];
+  return a;
+}
+
+inline float lane_max(F16 a) {
+  float buffer[16], top = -INFINITY;
+  store16(buffer, a);
+  for (float x : buffer) top = std::max(top, x);
+  return top;
+}
+
+// lanes from `count` on replaced by `fill`
+inline F16 first(F16 a, int64_t count, float fill) {
+  static const float lanes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int i = 0; i < P; i++) a.p[i] = load(lanes + i * W) < float(count) ? a.p[i] : splat(fill);
+  return a;
+}
+
+// the 16 lanes' sum: lane l + lane l + 8, then l + 4, l + 2, l + 1
+inline float sum(F16 a) {
+  float s[16];
+  store16(s, a);
+  for (int l = 0; l < 8; l++) s[l] += s[l + 8];
+  for (int l = 0; l < 4; l++) s[l] += s[l + 4];
+  return (s[0] + s[2]) + (s[1] + s[3]);
+}
+
+// e^x for x <= 0, lane by lane: Cephes' polynomial on x - n ln 2 (relative error ~1e-7; below e^-87, 2^-126 * p)
+inline V exp(V x) {
+  x = x < -87.0f ? splat(-87.0f) : x;
+  const V t = fma(x, splat(1.44269504088896341f), splat(0.5f));
+  V n = __builtin_convertvector(__builtin_convertvector(t, I), V);
+  n = n > t ? n - 1 : n;  // floor (the conversion truncates towards zero)
+  x = fma(n, splat(-0.693359375f), x);
+  x = fma(n, splat(2.12194440e-4f), x);
+  const V z = x * x;
+  V y = fma(splat(1.9875691500e-4f), x, splat(1.3981999507e-3f));
+  y = fma(y, x, splat(8.3334519073e-3f));
+  y = fma(y, x, splat(4.1665795894e-2f));
+  y = fma(y, x, splat(1.6666665459e-1f));
+  y = fma(y, x, splat(5.0000001201e-1f));
+  y = fma(y, z, x) + 1.0f;
+  const I bits = (__builtin_convertvector(n, I) + 127) << 23;  // 2^n
+  V scale;
+  std::memcpy(&scale, &bits, sizeof scale);
+  return y * scale;
+}
+
+inline F16 exp(F16 a) {
+  for (int i = 0; i < P; i++) a.p[i] = exp(a.p[i]);
+  return a;
+}
+
+// The sums of 16 vectors, vector j's in lane j, each by `sum`'s tree. `half(a)` folds a vector to its 8 lanes
+// l + l + 8 (the first step); `sums16` takes the 16 folded vectors.
+#if SIMD_W == 16
+inline F16 half(F16 a) { return a; }  // folded inside sums16, two vectors a shuffle
+inline F16 sums16(F16* v) {
+  V w[8];
+  for (int i = 0; i < 8; i++)  // vectors 2i, 2i + 1 -> lanes 0-7, 8-15
+    w[i] = __builtin_shufflevector(v[2 * i].p[0], v[2 * i + 1].p[0], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(v[2 * i].p[0], v[2 * i + 1].p[0], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 4; i++)  // 4 lanes each
+    w[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  for (int i = 0; i < 2; i++)  // 2 lanes each
+    w[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+           __builtin_shufflevector(w[2 * i], w[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+  return F16{{__builtin_shufflevector(w[0], w[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+              __builtin_shufflevector(w[0], w[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31)}};
+}
+#elif SIMD_W == 8
+inline F16 half(F16 a) { return F16{{a.p[0] + a.p[1], V{}}}; }
+// 8 folded vectors' sums in one: quarters (l + 4), then l + 2, then l + 1; inputs in the order that leaves vector j's
+// sum in lane j
+inline V sums8(V u0, V u1, V u2, V u3, V u4, V u5, V u6, V u7) {
+  auto quarters = [](V a, V b) {  // a's l + l + 4 in lanes 0-3, b's in 4-7
+    return (V)_mm256_add_ps(_mm256_permute2f128_ps((__m256)a, (__m256)b, 0x20),
+                            _mm256_permute2f128_ps((__m256)a, (__m256)b, 0x31));
+  };
+  const __m256 p0 = (__m256)quarters(u0, u4), p1 = (__m256)quarters(u1, u5), p2 = (__m256)quarters(u2, u6),
+               p3 = (__m256)quarters(u3, u7);
+  const __m256 q0 = _mm256_add_ps(_mm256_shuffle_ps(p0, p1, 0x44), _mm256_shuffle_ps(p0, p1, 0xEE));  // l + 2
+  const __m256 q1 = _mm256_add_ps(_mm256_shuffle_ps(p2, p3, 0x44), _mm256_shuffle_ps(p2, p3, 0xEE));
+  return (V)_mm256_add_ps(_mm256_shuffle_ps(q0, q1, 0x88), _mm256_shuffle_ps(q0, q1, 0xDD));  // l + 1
+}
+inline F16 sums16(F16* v) {
+  return F16{{sums8(v[0].p[0], v[1].p[0], v[2].p[0], v[3].p[0], v[4].p[0], v[5].p[0], v[6].p[0], v[7].p[0]),
+              sums8(v[8].p[0], v[9].p[0], v[10].p[0], v[11].p[0], v[12].p[0], v[13].p[0], v[14].p[0], v[15].p[0])}};
+}
+#else
+inline F16 half(F16 a) { return a; }
+inline F16 sums16(F16* v) {
+  float out[16];
+  for (int j = 0; j < 16; j++) out[j] = sum(v[j]);
+  return load16(out);
+}
+#endif
+
+}  // namespace simd
+}  // namespace
