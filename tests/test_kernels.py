@@ -7,6 +7,7 @@ int8); where a C++ compiler is, the kernels build (else every test that needs th
 
 import copy
 import math
+import os
 import shutil
 from dataclasses import replace
 
@@ -178,6 +179,58 @@ def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, 
     grouped = tree_logits(GROUPED_SDPA)
     assert tree.num_nodes not in fallbacks  # the tree pass took SDPA's grouped path, every layer
     torch.testing.assert_close(grouped, tree_logits("sdpa"), rtol=1e-5, atol=1e-5)
+
+
+@needs_native
+def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invariant():
+    """csrc/simd.h: each instruction-set variant (AVX-512, AVX2, baseline) does the same lane operations in the same
+    order, so linears (float32, GGUF blocks, q8) and attention agree to the bit across variants, row by row."""
+    variants = kernels.cpu_variants()
+    assert variants[-1] == "baseline" and kernels.variant() in variants
+    ops = {name: kernels.load_native(name) for name in variants}
+    assert [o.variant() for o in ops.values()] == variants
+    torch.manual_seed(0)
+    for rows, in_features, out_features in [(1, 64, 96), (7, 40, 7), (5, 576, 37), (9, 96, 20), (130, 64, 5)]:
+        x, weight = torch.randn(rows, in_features), torch.randn(out_features, in_features)
+        weights = [(weight, None)]
+        if in_features % 32 == 0:
+            weights += [(gguf_exact(weight, qtype), qtype) for qtype in ("Q4_1", "Q8_0")]
+        for w, qtype in weights:
+            calls = [lambda o, x: o.linear(x, w)]
+            if qtype is not None:
+                codes, scales = block_codes(w)
+                packed = q8_pack(codes, scales)
+                calls += [lambda o, x: o.linear_blocks(x, codes, scales, 8 * codes.shape[1] // in_features),
+                          lambda o, x: o.linear_q8(x, *packed, out_features, -1)]
+            for call in calls:
+                outs = {name: call(o, x) for name, o in ops.items()}
+                for name, out in outs.items():
+                    assert torch.equal(out, outs["baseline"]), (name, rows, in_features, qtype)
+                    for m in range(0, rows, 3):  # each row as computed alone
+                        assert torch.equal(call(ops[name], x[m : m + 1]), out[m : m + 1]), (name, rows, qtype)
+    tree = Tree.from_spec(DEFAULT_TREE)
+    for heads, kv_heads, head_dim, prefix in [(9, 3, 64, 150), (4, 2, 8, 37)]:
+        n, keys = tree.num_nodes, prefix + tree.num_nodes
+        q, k, v = torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim), torch.randn(1, kv_heads, keys, head_dim)
+        mask = torch.zeros(1, n, keys)
+        mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
+        outs = {name: o.attention(q, k, v, mask, 0.125) for name, o in ops.items()}
+        assert all(torch.equal(out, outs["baseline"]) for out in outs.values())
+
+
+def test_medusa_isa_forces_a_variant_and_refuses_one_this_cpu_lacks():
+    import subprocess
+    import sys
+
+    def engine_variant(value: str) -> subprocess.CompletedProcess:
+        code = "from medusa_decoding import kernels; print(kernels.variant())"
+        return subprocess.run([sys.executable, "-c", code], env={**os.environ, kernels.VARIANT_ENV: value},
+                              capture_output=True, text=True)
+
+    assert engine_variant("baseline").stdout.strip() == "baseline"
+    missing = next((name for name in kernels.VARIANTS if name not in kernels.cpu_variants()), "sse9")
+    refused = engine_variant(missing)
+    assert refused.returncode != 0 and f"MEDUSA_ISA={missing!r}: this CPU runs the variants" in refused.stderr
 
 
 def test_the_native_kernels_build_wherever_a_compiler_is():

@@ -30,7 +30,7 @@ from .config import CalibrateConfig, GenerationConfig
 from .decoding import Batch, context_limit, propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
-from .kernels import code_digest, guess_projection, reads_blocks, set_guess_vocab
+from .kernels import block_codes, code_digest, guess_projection, reads_blocks, reset_kernels, set_guess_vocab
 from .model import TREE_NAME
 from .tree import Tree, build
 
@@ -372,6 +372,39 @@ def setup(medusa) -> str:
 # what runs where a bench rival decodes the model's kernels (key) on the other engine: its latency is that one's
 ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled", ("q8", True): "compiled-q8",
                        ("compiled", False): "native", ("compiled-q8", False): "q8"}
+
+
+def choose_kernels(model, tokenizer, heads, config: CalibrateConfig = DEFAULTS) -> str:
+    """kernels="auto" on a CPU in float32: of stock, native and (where the weights are GGUF blocks) q8, the kernels
+    whose plain step and 3-candidate step take least time together on this machine, timed side by side on `model`
+    itself (switched in turn, then back to stock), once per setup: cached under cache_root()/kernels, keyed like the
+    tree fits. Never slower than stock, which is one of those timed. Says what it picked, and why, in one line."""
+    from .model import MedusaModel
+
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    candidates = ["stock", "native"] + (["q8"] if block_codes(linear.weight) is not None else [])
+    what = [device_name(model.device), str(model.dtype), model.name_or_path, model.config.to_diff_dict(),
+            code_digest(), torch.__version__, candidates]
+    cached = cache_root() / "kernels" / f"auto-{hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())["kernels"]
+    trees = [Tree.from_spec([]), Tree.from_spec([3])]
+    once = replace(config, latency_contexts=(config.latency_contexts[0],), latency_repeats=3)
+    seconds = {}
+    for name in candidates:
+        medusa = MedusaModel(model, tokenizer, heads, trees[1], name)
+        seconds[name] = measure_step_latency(medusa, trees, once)[1][0]
+        reset_kernels(model), reset_kernels(heads)
+    best = min(candidates, key=lambda name: sum(seconds[name]))
+    times = ", ".join(f"{name} {plain * 1e3:.1f} / {tree * 1e3:.1f}" for name, (plain, tree) in seconds.items())
+    print(f"medusa: kernels auto -> {best}: the fastest here (ms a plain / 3-candidate step: {times}; measured once, "
+          f"cached in {cached.parent})", file=sys.stderr)
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    record = {"kernels": best, "setup": what[0], "latency_ms": {n: [t * 1e3 for t in s] for n, s in seconds.items()}}
+    tmp = cached.with_suffix(".tmp")
+    tmp.write_text(json.dumps(record) + "\n")
+    tmp.replace(cached)
+    return best
 
 
 def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[list[float]]:

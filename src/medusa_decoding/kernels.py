@@ -449,6 +449,22 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     return model
 
 
+def reset_kernels(module: nn.Module) -> nn.Module:
+    """Undoes use_kernels (and native_linears) in place: stock linears and attention, no guess copy; `module` can
+    then be switched to other kernels (kernels="auto" times each in turn on the one model, without a copy)."""
+    for linear in module.modules():
+        if isinstance(linear, NativeLinear):
+            linear.__class__ = nn.Linear
+            for name in ("codes", "scales"):
+                linear._buffers.pop(name, None)
+    config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) in (GROUPED_SDPA, INVARIANT_ATTENTION):
+        module.set_attn_implementation("sdpa")
+    if hasattr(module, "get_output_embeddings") and hasattr(lm_head := module.get_output_embeddings(), GUESS_COPY):
+        delattr(lm_head, GUESS_COPY)
+    return module
+
+
 def native_linears(module: nn.Module) -> list[NativeLinear]:
     """Switches every nn.Linear of `module` (in place) to NativeLinear; returns them. The heads' too where the model's
     are (MedusaModel): a guess needs speed, not MKL's rounding (a hydra head's 576 x 576 layer over one token on a

@@ -21,7 +21,8 @@ from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
 from .decoding import Batch, Row
 from .guard import Ladder
 from .heads import MedusaHeads
-from .kernels import COMPILED, NativeLinear, native_linears, resolve_kernels, set_guess_vocab, use_kernels
+from .kernels import (COMPILED, NativeLinear, cpu_float32, native_available, native_linears, resolve_kernels,
+                      set_guess_vocab, use_kernels)
 from .tree import Tree
 
 TREE_NAME = "tree.json"
@@ -79,6 +80,10 @@ class MedusaModel:
                                config.num_hidden_layers)
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
+        if kernels == "auto" and cpu_float32(model.device, model.dtype) and native_available():
+            from .calibrate import choose_kernels  # calibrate builds on this module
+
+            kernels = choose_kernels(model, tokenizer, heads)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
         if any(isinstance(m, NativeLinear) for m in model.modules()):
