@@ -93,7 +93,9 @@ def family(request):
 
 @pytest.fixture(scope="session")
 def smollm():
-    """The embedded default (SmolLM2-135M-Instruct) with its default heads, tree and kernels, loaded once per session."""
+    """The embedded default (SmolLM2-135M-Instruct) with its default heads and tree, loaded once per session, on the
+    exact float32 kernels (native where they build): the tests hold its answers to `transformers`' own, where
+    kernels="auto" may pick q8's 8-bit activations (test_kernels tests that choice)."""
     from medusa_decoding import MedusaModel
 
-    return MedusaModel.from_pretrained()
+    return MedusaModel.from_pretrained(kernels="stock" if native_build() else "native")

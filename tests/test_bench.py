@@ -5,6 +5,7 @@ import json
 import math
 import re
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -346,6 +347,27 @@ def test_rivals_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_p
     monkeypatch.setattr(hydra, "generate", lambda ids, config: replace_tokens(generate(ids, config=config)))
     assert benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
                      rivals={"hydra": hydra})["lossless"] is False
+
+
+def test_a_rival_on_the_other_engine_is_held_to_plain_decoding_on_that_engine(tiny, questions, monkeypatch):
+    """Two engines may round a near-tie apart (compiled and eager q8 do): each decoder is lossless against plain
+    decoding on its own engine, and where the engines part the report says so apart from losslessness."""
+    rival = tiny.with_heads(tiny.heads, Tree.from_spec(TREE))
+    rival.compiled = not tiny.compiled  # another engine, whose every answer parts from the eager one's at its end
+    generate = rival.generate
+    monkeypatch.setattr(rival, "generate", lambda ids, config, medusa=True: replace_tokens(
+        generate(ids, config=replace(config, medusa=medusa))))
+    monkeypatch.setattr(rival, "warm_up", lambda *args, **kwargs: None)
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
+                       rivals={"other": rival})
+    assert report["lossless"] is True
+    for turn in report["turns"]:
+        assert turn["other"]["same_as_plain"] and not turn["other/plain"]["same_as_plain"]
+        assert turn["other/plain"]["agreed_with_plain"] == turn["plain"]["new_tokens"] - 1
+    other = report["overall"]["rivals"]["other"]
+    speed = report["overall"]["tokens_per_s"]
+    assert other["speedup"] == pytest.approx(speed["other"] / speed["other/plain"])
+    assert "engines round apart (plain decoding on each): other's engine parts at token" in table(report)
 
 
 def replace_tokens(out):

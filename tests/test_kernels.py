@@ -6,6 +6,7 @@ over a tree reads the keys in place; the heads guess through a copy of the LM he
 int8); where a C++ compiler is, the kernels build (else every test that needs them would skip)."""
 
 import copy
+import json
 import math
 import os
 import shutil
@@ -13,10 +14,10 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import FAMILIES, needs_compiler, needs_native
+from conftest import FAMILIES, needs_compiler, needs_native, tiny_tokenizer
 from engine_helpers import greedy_reference, lively_model, random_heads
 
-from medusa_decoding import kernels
+from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
 from medusa_decoding.decoding import PLAIN
@@ -240,6 +241,26 @@ def test_the_native_kernels_build_wherever_a_compiler_is():
         assert native_build().startswith("no C++ compiler")
     else:  # a failing build is a bug in csrc/, not a machine without kernels
         assert native_build() is None, native_build()
+
+
+@needs_native
+def test_auto_kernels_take_the_fastest_measured_never_slower_than_stock_and_measure_once(tmp_path, monkeypatch,
+                                                                                         capsys):
+    from medusa_decoding import calibrate
+
+    monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
+    model = gguf_model("llama")  # GGUF blocks: q8 is a candidate too
+    heads = random_heads(model)
+    medusa = MedusaModel(model, tiny_tokenizer(), heads, kernels="auto")
+    record = json.loads(next((tmp_path / "kernels").glob("auto-*.json")).read_text())
+    timed = {name: sum(ms) for name, ms in record["latency_ms"].items()}
+    assert set(timed) == {"stock", "native", "q8"} and medusa.kernels == record["kernels"] == min(timed, key=timed.get)
+    assert timed[medusa.kernels] <= timed["stock"]
+    assert f"medusa: kernels auto -> {medusa.kernels}: the fastest here" in capsys.readouterr().err
+    assert reads_blocks(model) == (medusa.kernels != "stock")  # switched to the pick after the others were undone
+    monkeypatch.setattr(calibrate, "measure_step_latency", None)  # cached: nothing is timed again
+    again = gguf_model("llama")
+    assert MedusaModel(again, tiny_tokenizer(), random_heads(again), kernels="auto").kernels == medusa.kernels
 
 
 def test_resolve_kernels():

@@ -34,6 +34,7 @@ from .tree import Tree
 DECODERS = ("medusa", "plain", "transformers")
 LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
 OTHER_ENGINES = ("transformers", LLAMA_CPP)  # their tokens are not held to plain decoding's (lossless)
+OWN_PLAIN = "/plain"  # NAME/plain: plain decoding on a rival's engine where it is not MEDUSA's, the rival's reference
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
 UNCATEGORIZED = "uncategorized"
@@ -142,6 +143,8 @@ def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: Gener
                 llama=None, rivals: dict[str, MedusaModel] | None = None) -> GenerationOutput:
     if rivals and name in rivals:
         return rivals[name].generate(ids, config=config)
+    if rivals and name.removesuffix(OWN_PLAIN) in rivals:  # engines round differently: each is held to its own plain
+        return rivals[name.removesuffix(OWN_PLAIN)].generate(ids, config=config, medusa=False)
     if name == "transformers":
         return hf_generate(medusa, ids, config)
     if name == LLAMA_CPP:
@@ -156,7 +159,9 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     """Every decoder on one prompt, `repeat` rounds, their order rotated by `turn` and the round so none always runs
     first; each decoder's fastest run counts (another process on a shared machine only ever slows a run down:
     the same 256-token answer timed 4.7 and 4.4 s a minute apart on a 2-core EPYC)."""
-    names = DECODERS + tuple(rivals or ()) + ((LLAMA_CPP,) if llama is not None else ())
+    names = DECODERS + tuple(rivals or ()) + tuple(f"{name}{OWN_PLAIN}" for name, view in (rivals or {}).items()
+                                                   if view.compiled != medusa.compiled)
+    names += (LLAMA_CPP,) if llama is not None else ()
     fastest: dict[str, GenerationOutput] = {}
     for round_ in range(repeat):
         shift = (turn + round_) % len(names)
@@ -365,7 +370,8 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     extra = {"speedup_vs_llama_cpp": ratio(medusa.tokens_per_s, totals[LLAMA_CPP].tokens_per_s)} if LLAMA_CPP in totals else {}
     rivals = {name: t for name, t in totals.items() if name not in DECODERS + (LLAMA_CPP,)}
     if rivals:
-        extra["rivals"] = {name: {**gains(t, plain, hf), "speedup_vs_medusa": ratio(t.tokens_per_s, medusa.tokens_per_s)}
+        extra["rivals"] = {name: {**gains(t, totals.get(f"{name}{OWN_PLAIN}", plain), hf),  # against its engine's plain
+                                  "speedup_vs_medusa": ratio(t.tokens_per_s, medusa.tokens_per_s)}
                            for name, t in rivals.items()}
     trees = Counter(size for turn in outputs for size in turn["medusa"].tree_sizes[1:])  # the steps after the prefill
     return {
@@ -383,6 +389,13 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
     }
 
 
+def reference(name: str, outputs: dict[str, GenerationOutput]) -> GenerationOutput:
+    """The plain decoding a decoder's greedy answer must equal: on its own engine (a rival's NAME/plain where it
+    decodes on the other one), else MEDUSA's engine's. NAME/plain itself is compared with MEDUSA's plain decoding:
+    where two engines round apart, the report shows it there, not as a loss."""
+    return outputs.get(f"{name}{OWN_PLAIN}", outputs["plain"])
+
+
 def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
     """overall and per-category summaries, losslessness (temperature 0 only), per-turn records, settings, device."""
     greedy = config.temperature == 0  # every rule is greedy at temperature 0
@@ -392,12 +405,12 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
     return {
         "overall": summary([outputs for *_, outputs in turns]),
         "categories": {name: summary(outputs) for name, outputs in by_category.items()},
-        "lossless": all(out.token_ids == o["plain"].token_ids for *_, o in turns for name, out in o.items()
-                        if name not in OTHER_ENGINES) if greedy else None,
+        "lossless": all(out.token_ids == reference(name, o).token_ids for *_, o in turns for name, out in o.items()
+                        if name not in OTHER_ENGINES and not name.endswith(OWN_PLAIN)) if greedy else None,
         "matches_transformers": all(o["medusa"].token_ids == o["transformers"].token_ids for *_, o in turns) if greedy else None,
         "turns": [
             {"question_id": q.question_id, "category": q.category, "turn": number + 1, "prompt_tokens": prompt_len,
-             **{name: turn_record(o, outputs["plain"] if greedy and name != "plain" else None)
+             **{name: turn_record(o, reference(name, outputs) if greedy and name != "plain" else None)
                 for name, o in sorted(outputs.items(), key=lambda item: order(item[0]))}}
             for q, number, prompt_len, outputs in turns
         ],
@@ -437,8 +450,14 @@ def table(report: dict) -> str:
     if report["lossless"] is False:
         parted = [f"{name} at token {record['agreed_with_plain']} of q{turn['question_id']}.{turn['turn']}"
                   for turn in report["turns"] for name, record in turn.items()
-                  if isinstance(record, dict) and record.get("same_as_plain") is False and name not in OTHER_ENGINES]
+                  if isinstance(record, dict) and record.get("same_as_plain") is False and name not in OTHER_ENGINES
+                  and not name.endswith(OWN_PLAIN)]
         lossless += f" ({'; '.join(parted)})"
+    engines = [f"{name.removesuffix(OWN_PLAIN)}'s engine parts at token {record['agreed_with_plain']} of "
+               f"q{turn['question_id']}.{turn['turn']}" for turn in report["turns"] for name, record in turn.items()
+               if name.endswith(OWN_PLAIN) and record.get("same_as_plain") is False]
+    if engines:  # not a loss: each decoder is held to plain decoding on its own engine
+        rows.append(f"engines round apart (plain decoding on each): {'; '.join(engines)}")
     rows.append(f"lossless (greedy MEDUSA{' and every rival' if rivals else ''} == plain on every turn): {lossless}; "
                 f"device: {report['device']}")
     if "step_latency_ms" in report:

@@ -437,9 +437,21 @@ def fit_tree(medusa, accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS,
     confident trees too, given their tokens per size); then the latency of the trees the guard may pick against the
     batch size."""
     sizes = fit_sizes(accuracy, config)
-    fitted = choose_tree(accuracy, sizes, *measure_step_latency(medusa, greedy_trees(accuracy, sizes), config),
-                         confident_tokens)
+    fitted = choose_tree(accuracy, sizes, *latency_model(medusa, accuracy, sizes, config), confident_tokens)
     return with_batch_latency(medusa, fitted, config)
+
+
+def latency_model(medusa, accuracy: torch.Tensor, sizes: list[int], config: CalibrateConfig = DEFAULTS
+                  ) -> tuple[list[int], list[list[float]]]:
+    """measure_step_latency's (contexts, seconds [contexts][sizes]) for every size, measured at the sizes up to 4, the
+    powers of 2 and the largest, at the shortest and longest context, and linear between: a step's cost is smooth in
+    the nodes and linear in the context (attention), and a fit then takes seconds, not minutes."""
+    measured = [n for n in sizes if n <= 4 or n & (n - 1) == 0 or n == sizes[-1]]
+    ends = replace(config, latency_contexts=(min(config.latency_contexts), max(config.latency_contexts)))
+    at, table = measure_step_latency(medusa, greedy_trees(accuracy, measured), ends)
+    rows = tuple(tuple(interpolate(tuple(measured), tuple((t,) for t in row), n)[0] for n in sizes) for row in table)
+    contexts = latency_contexts(medusa, greedy_trees(accuracy, sizes[-1:]), config)
+    return contexts, [interpolate(tuple(at), rows, context) for context in contexts]
 
 
 def fit_sizes(accuracy: torch.Tensor, config: CalibrateConfig = DEFAULTS) -> list[int]:

@@ -269,10 +269,11 @@ class CalibrateConfig:
     # against a plain one's: on a 2-core EPYC a 3-candidate step costs 1.10 plain steps at 64 tokens, 1.23 at 2048);
     # the guard interpolates between them, the tree chosen for the middle one
     latency_contexts: tuple[int, ...] = (128, 512, 2048)
-    latency_repeats: int = 7  # timed steps per tree size; the median is kept
+    latency_repeats: int = 5  # timed steps per tree size; the median is kept
     # batches whose step latency is timed too (at the first context), for each tree the guard may pick: a batch's
     # rows share a forward pass, and from some size on plain steps for all of them give more tokens per second
-    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    # (linear between, up to the server's default max_batch)
+    batch_sizes: tuple[int, ...] = (1, 3, 8)
     guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
