@@ -11,11 +11,15 @@ by side:
     256-token prefix, the kernels taking turns so that noise hits all of them alike;
   - greedy plain decoding of a few MT-Bench first turns: how many tokens agree with stock float32 before the
     first difference, and whether greedy MEDUSA equals greedy plain decoding on the same kernels (lossless).
+  - a plain step at a 100- and a 2000-token context (attention's cost per key);
+  - with --variants, native and q8 on every other instruction-set variant this CPU runs too (NAME@VARIANT: the
+    engine's ops switched to that variant's around its turns; kernels.VARIANTS), whose answers must be the same bits.
 Prints a table, writes JSON and a PNG.   usage: .venv/bin/python benchmarks/cpu_kernels.py [--out PREFIX]
-[--kernels NAME ...] (stock always runs: the others' reference)
+[--kernels NAME ...] [--variants] (stock always runs: the others' reference)
 """
 
 import argparse
+import contextlib
 import copy
 import json
 import statistics
@@ -24,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from medusa_decoding import GenerationConfig, MedusaModel
+from medusa_decoding import GenerationConfig, MedusaModel, kernels as kernel_ops
 from medusa_decoding.bench import read_questions
 from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
@@ -34,6 +38,7 @@ KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "compiled-q8",
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
+CONTEXTS = (100, 2000)  # a plain step at each: within 2x of each other is the aim
 QUESTIONS = Path(__file__).resolve().parents[2] / "shared" / "data" / "mt_bench_question.jsonl"
 
 
@@ -42,8 +47,11 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/cpu_kernels", help="writes OUT.json and OUT.png")
     parser.add_argument("--questions", default=str(QUESTIONS))
     parser.add_argument("--kernels", nargs="+", choices=KERNELS[1:], default=KERNELS[1:])
+    parser.add_argument("--variants", action="store_true", help="native and q8 on every variant this CPU runs too")
     args = parser.parse_args()
     kernels = ("stock", *[name for name in KERNELS[1:] if name in args.kernels])
+    others = [isa for isa in kernel_ops.cpu_variants() if isa != kernel_ops.variant()] if args.variants else []
+    kernels += tuple(f"{name}@{isa}" for isa in others for name in ("native", "q8") if name in kernels)
 
     base = MedusaModel.from_pretrained(kernels="stock")
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
@@ -59,15 +67,24 @@ def main() -> None:
     if "bf16" in kernels:  # lossy too: measured
         models["bf16"] = MedusaModel(copy.deepcopy(base.model).bfloat16(), base.tokenizer, copy.deepcopy(base.heads),
                                      base.tree)
+    for name in kernels:
+        if "@" in name:
+            models[name] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name.split("@")[0])
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
     timings = {name: [[] for _ in SIZES] for name in kernels}
     once = CalibrateConfig(latency_repeats=2, latency_contexts=(256,))
     for round_ in range(ROUNDS):
         print(f"latency round {round_ + 1}/{ROUNDS}", file=sys.stderr)
         for name, medusa in models.items():
-            for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)[1][0]):
-                timed.append(seconds)
+            with variant(name):
+                for timed, seconds in zip(timings[name], measure_step_latency(medusa, trees, once)[1][0]):
+                    timed.append(seconds)
     latency = {name: [statistics.median(t) for t in timings[name]] for name in kernels}
+    by_context = {name: [] for name in kernels}  # a plain step at each of CONTEXTS
+    for name, medusa in models.items():
+        with variant(name):
+            plain = measure_step_latency(medusa, trees[:1], CalibrateConfig(latency_repeats=5, latency_contexts=CONTEXTS))
+            by_context[name] = [row[0] for row in plain[1]]
 
     prompts = [q.turns[0] for q in read_questions(args.questions, limit=PROMPTS)]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
@@ -75,9 +92,11 @@ def main() -> None:
     lossless = {name: True for name in kernels}
     for prompt in prompts:
         for name, medusa in models.items():
-            plain = medusa.generate(prompt, config=config, medusa=False).token_ids
-            outputs[name].append(plain)
-            lossless[name] &= medusa.generate(prompt, config=config).token_ids == plain
+            with variant(name):
+                plain = medusa.generate(prompt, config=config, medusa=False).token_ids
+                outputs[name].append(plain)
+                lossless[name] &= medusa.generate(prompt, config=config).token_ids == plain
+    same_bits = {name: outputs[name] == outputs[name.split("@")[0]] for name in kernels if "@" in name}
 
     def agreeing(a, b):
         return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -86,7 +105,9 @@ def main() -> None:
                  sum(len(s) for s in outputs["stock"]) for name in kernels}
     record = {"device": device_name(torch.device("cpu")), "torch": torch.__version__, "tokens": [n + 1 for n in SIZES],
               "step_latency_s": latency, "greedy_agreement_with_stock": agreement,
-              "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS}
+              "medusa_equals_plain": lossless, "prompts": len(prompts), "new_tokens": NEW_TOKENS,
+              "variant": kernel_ops.variant(), "contexts": CONTEXTS, "plain_step_by_context_s": by_context,
+              "variant_answers_equal_engine_variant": same_bits}
     print(f"MEDUSA step latency (ms) on {record['device']}: embedded default, 256-token prefix")
     print(f"{'tokens':>7}" + "".join(f"{n:>16}" for n in kernels) + "".join(f"{n + '/stock':>22}" for n in kernels[1:]))
     for i, tokens in enumerate(record["tokens"]):
@@ -94,10 +115,27 @@ def main() -> None:
         print(f"{tokens:>7}" + "".join(f"{m:>16.1f}" for m in ms) + "".join(f"{m / ms[0]:>22.2f}" for m in ms[1:]))
     for name in kernels:
         print(f"{name}: greedy tokens agreeing with stock float32 {agreement[name]:.1%}, "
-              f"greedy MEDUSA == plain on the same kernels: {lossless[name]}")
+              f"greedy MEDUSA == plain on the same kernels: {lossless[name]}"
+              + (f", answers the same as on {kernel_ops.variant()}: {same_bits[name]}" if name in same_bits else ""))
+    print(f"a plain step at a {CONTEXTS[0]} / {CONTEXTS[1]}-token context (ms), the engine's variant "
+          f"{kernel_ops.variant()} unless named")
+    for name, (short, long) in by_context.items():
+        print(f"{name:>16} {1000 * short:8.1f} {1000 * long:8.1f}  {long / short:5.2f}x")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, f"{args.out}.png")
+
+
+@contextlib.contextmanager
+def variant(name: str):
+    """NAME@VARIANT runs on that instruction-set variant's ops (the engine's own otherwise)."""
+    saved, isa = kernel_ops.OPS, name.partition("@")[2]
+    if isa:
+        kernel_ops.OPS = kernel_ops.load_native(isa)
+    try:
+        yield
+    finally:
+        kernel_ops.OPS = saved
 
 
 def plot(record: dict, path: str) -> None:

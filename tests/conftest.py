@@ -15,6 +15,8 @@ if THREADS:
     torch.set_num_threads(THREADS)
 # tests of the native kernel itself; elsewhere kernels="auto" falls back to stock kernels and the tests run on those
 needs_native = pytest.mark.skipif(native_build() is not None, reason=f"native CPU kernel: {native_build()}")
+# the exact float32 kernels the smollm fixture (and the CLI runs compared with it) decode on: kernels="auto" may pick q8
+EXACT_KERNELS = "stock" if native_build() else "native"
 needs_compiler = pytest.mark.skipif(compile_error("cpu") is not None, reason=f"torch.compile: {compile_error('cpu')}")
 
 
@@ -98,4 +100,4 @@ def smollm():
     kernels="auto" may pick q8's 8-bit activations (test_kernels tests that choice)."""
     from medusa_decoding import MedusaModel
 
-    return MedusaModel.from_pretrained(kernels="stock" if native_build() else "native")
+    return MedusaModel.from_pretrained(kernels=EXACT_KERNELS)

@@ -8,6 +8,7 @@ import sys
 
 import pexpect
 import pytest
+from conftest import EXACT_KERNELS
 
 from medusa_decoding.chat import ASSISTANT_PROMPT, USER_PROMPT
 
@@ -26,7 +27,8 @@ def restore_ctrl_c() -> None:
 
 def spawn_chat(tree: str = "auto") -> pexpect.spawn:
     env = {**os.environ, "TERM": "dumb", "OMP_NUM_THREADS": "1"}
-    args = ["-m", "medusa_decoding.cli", "chat", "--max-new-tokens", str(MAX_NEW_TOKENS), "--tree", tree]
+    args = ["-m", "medusa_decoding.cli", "chat", "--max-new-tokens", str(MAX_NEW_TOKENS), "--tree", tree,
+            "--kernels", EXACT_KERNELS]  # the smollm fixture's, whose answers these are compared with
     child = pexpect.spawn(sys.executable, args, env=env, encoding="utf-8", timeout=TIMEOUT_S,
                           preexec_fn=restore_ctrl_c)
     child.expect_exact(USER_PROMPT)

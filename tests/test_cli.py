@@ -11,7 +11,7 @@ import torch
 from medusa_decoding import HeadsConfig, MedusaHeads, MedusaModel
 from medusa_decoding.cli import heads_trained, main
 from medusa_decoding.config import DEFAULT_MODEL
-from medusa_decoding.kernels import native_build
+from conftest import EXACT_KERNELS
 
 PROMPT = "Name three primary colours."  # untrained heads still get a few guesses accepted on this one
 MAX_NEW_TOKENS = 24
@@ -28,7 +28,7 @@ def medusa(*args: str) -> subprocess.CompletedProcess:
 def generated() -> dict:
     # an explicit tree: --tree auto's guard decodes plainly where trees do not pay on this machine (stock kernels)
     run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy",
-                 "--tree", "[[0], [1], [2]]", "--kernels", "stock" if native_build() else "native", "--json")
+                 "--tree", "[[0], [1], [2]]", "--kernels", EXACT_KERNELS, "--json")
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("\n") == 1, run.stdout  # one JSON object, nothing else: progress bars went to stderr
     return json.loads(run.stdout)
@@ -52,7 +52,8 @@ def test_generate_json_is_transformers_greedy(generated, smollm):
 
 
 def test_streamed_text_is_the_json_text(generated):
-    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy")
+    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy",
+                 "--kernels", EXACT_KERNELS)
     assert run.returncode == 0, run.stderr
     assert run.stdout == generated["text"] + "\n"
 

@@ -13,11 +13,13 @@ device once (the accepted paths). The prefill stays eager: it runs once per requ
 share.
 
 On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor
-caches what it compiled on disk (`torch._inductor` FX graph cache), so a second process compiles faster. Where compiling is unavailable (no C++
+caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory), so a second
+process compiles faster. Where compiling is unavailable (no C++
 compiler for inductor on a CPU, no Triton on a GPU), kernels.resolve_kernels says so in one line.
 """
 
 import functools
+import os
 import types
 import weakref
 
@@ -25,6 +27,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
+from .default_model import cache_root
 from .heads import run_backbone
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
@@ -58,6 +61,8 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
 
 def compile_settings(device_type: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
+    # what inductor compiled stays in the project's cache (not /tmp, which a reboot clears): a second run compiles nothing
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     if device_type == "cuda":  # mode="reduce-overhead", as an option: torch.compile takes a mode or options, not both
         return {"dynamic": False, "options": {"triton.cudagraphs": True}}
     # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)

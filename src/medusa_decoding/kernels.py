@@ -98,16 +98,20 @@ def variant() -> str:
     return forced or runnable[0]
 
 
-@functools.cache
 def native_build(isa: str | None = None) -> str | None:
     """Builds the medusa ops (linears, attention) of variant `isa` (None: the engine's, `variant()`), once per machine
     (cached under the project's cache directory), and loads them as torch.ops.medusa_<isa>. Returns None, or why they
     cannot be built here, in one line (no C++ compiler, a compiler that fails)."""
+    return build_variant(isa or variant())
+
+
+@functools.cache
+def build_variant(isa: str) -> str | None:
+    """native_build's work, once a process per variant: a namespace's ops register once (a second copy aborts)."""
     from torch.utils.cpp_extension import get_cxx_compiler, load
 
     from .default_model import cache_root
 
-    isa = isa or variant()
     if shutil.which(get_cxx_compiler()) is None:
         return f"no C++ compiler: {get_cxx_compiler()!r} is not on PATH (install g++, or set CXX)"
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: the pip package's, outside an activated venv

@@ -282,6 +282,7 @@ struct Lanes16 {
   typedef u8x64 U;
   typedef i32x16 I;
   typedef f32x16 F;
+  static I finish(I acc) { return acc; }  // a block's sums from what dot accumulated
 };
 
 struct Scalar : Lanes16 {
@@ -314,12 +315,14 @@ struct Lanes8 {
   typedef u8x32 U;
   typedef i32x8 I;
   typedef f32x8 F;
+  static I finish(I acc) { return acc; }
   TARGET_AVX2 static F fma(F a, F b, F c) { return (F)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c); }
   TARGET_AVX2 static F widen(const at::Half* h) { return (F)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)h)); }
 };
 
 // AVX2: pairs of u8 x s8 products to int16, then to int32. Q8_0's codes (up to 255) times 127 could saturate the
-// pairs: they are split as |q| and x signed as q (|q| <= 128: the pairs fit), which gives q * x directly.
+// pairs: they are split as |q| and x signed as q (|q| <= 128: the pairs fit), which gives q * x directly. Q4_1's
+// pairs add up in int16 over a block (16 products of at most 15 * 127 a lane: no overflow) and widen once (finish).
 template <bool SIGNED>
 struct Avx2 : Lanes8 {
   static constexpr bool DIRECT = SIGNED;
@@ -328,9 +331,11 @@ struct Avx2 : Lanes8 {
     if (SIGNED) {
       a = _mm256_xor_si256(a, _mm256_set1_epi8(char(0x80)));
       b = _mm256_sign_epi8(b, a), a = _mm256_abs_epi8(a);
+      return acc + (I)_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
     }
-    return acc + (I)_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+    return (I)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16(a, b));
   }
+  TARGET_AVX2 static I finish(I acc) { return SIGNED ? acc : (I)_mm256_madd_epi16((__m256i)acc, _mm256_set1_epi16(1)); }
 };
 
 struct AvxVnni : Lanes8 {
@@ -394,6 +399,7 @@ void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
     }
     const F d = P::widen(s), m = P::widen(s + ROWS);
     for (int i = 0; i < MT; i++) {
+      sums[i] = P::finish(sums[i]);
       const int64_t at = (m0 + i) * blocks + b;
       if (BITS == 8 && !P::DIRECT) sums[i] -= a.x128[at];
       acc[i] = P::fma(__builtin_convertvector(sums[i], F), d * a.xd[at], acc[i]);
