@@ -69,7 +69,8 @@ def main() -> None:
                                      base.tree)
     for name in kernels:
         if "@" in name:
-            models[name] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name.split("@")[0])
+            models[name] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree,
+                                       name.split("@")[0])
     trees = [Tree.from_spec([n]) if n else Tree.from_spec([]) for n in SIZES]
     timings = {name: [[] for _ in SIZES] for name in kernels}
     once = CalibrateConfig(latency_repeats=2, latency_contexts=(256,))
@@ -83,8 +84,8 @@ def main() -> None:
     by_context = {name: [] for name in kernels}  # a plain step at each of CONTEXTS
     for name, medusa in models.items():
         with variant(name):
-            plain = measure_step_latency(medusa, trees[:1], CalibrateConfig(latency_repeats=5, latency_contexts=CONTEXTS))
-            by_context[name] = [row[0] for row in plain[1]]
+            timing = CalibrateConfig(latency_repeats=5, latency_contexts=CONTEXTS)
+            by_context[name] = [row[0] for row in measure_step_latency(medusa, trees[:1], timing)[1]]
 
     prompts = [q.turns[0] for q in read_questions(args.questions, limit=PROMPTS)]
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_tokenizer
+from conftest import EXACT_KERNELS, tiny_tokenizer
 from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_reference, lively_model, random_heads
 
 from medusa_decoding import MedusaModel, calibrate, decoding
@@ -364,8 +364,8 @@ def base_and_heads(tokenizer, tmp_path, monkeypatch, one_thread):
 
 
 def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, monkeypatch, capsys):
-    base, heads = base_and_heads
-    tree = MedusaModel.from_pretrained(base, heads).tree
+    base, heads = base_and_heads  # kernels given: auto's choice is timed and cached apart (test_kernels)
+    tree = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS).tree
     assert "fitting the tree" in capsys.readouterr().err
     sizes = tried_sizes(len(HAND_ORDER))
     assert tree.num_nodes - 1 in sizes and set(tree.paths) == set(HAND_ORDER[: tree.num_nodes - 1])
@@ -376,20 +376,22 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
         raise AssertionError("the cached fit must be used")
 
     monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
-    auto = MedusaModel.from_pretrained(base, heads).trees
+    auto = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS).trees
     assert auto.tree is tree and not auto.confident
-    confident = MedusaModel.from_pretrained(base, heads, tree="confident").trees  # the same sizes, each step's likeliest
+    # the same sizes, each step's likeliest
+    confident = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident").trees
     assert confident.confident and confident.trees == auto.trees
-    fixed = MedusaModel.from_pretrained(base, heads, tree="confident:5").trees
+    fixed = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident:5").trees
     assert fixed.confident and [t.num_nodes for t in fixed.trees] == [6]
     for bad in ("confident:0", "confident:x", "auto:3", "likeliest"):
         with pytest.raises(ValueError, match="tree: expected 'auto', 'confident' or 'confident:N'"):
-            MedusaModel.from_pretrained(base, heads, tree=bad)
-    assert MedusaModel.from_pretrained(base, heads, tree=None).tree == Tree.from_spec([[0], [1], [2]])
+            MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree=bad)
+    given = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree=None).tree
+    assert given == Tree.from_spec([[0], [1], [2]])
     monkeypatch.setattr(calibrate, "code_digest", lambda: "other kernels")  # latencies timed on other code: refit
     with pytest.raises(AssertionError, match="the cached fit must be used"):
-        MedusaModel.from_pretrained(base, heads)
-    fixed = MedusaModel.from_pretrained(base, heads, tree="confident:5").trees  # N given: nothing fitted or timed
+        MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS)
+    fixed = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident:5").trees  # nothing timed
     assert fixed.confident and [t.num_nodes for t in fixed.trees] == [6]
 
 

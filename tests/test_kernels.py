@@ -212,7 +212,7 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
     tree = Tree.from_spec(DEFAULT_TREE)
     for heads, kv_heads, head_dim, prefix in [(9, 3, 64, 150), (4, 2, 8, 37)]:
         n, keys = tree.num_nodes, prefix + tree.num_nodes
-        q, k, v = torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim), torch.randn(1, kv_heads, keys, head_dim)
+        q, k, v = torch.randn(1, heads, n, head_dim), *torch.randn(2, 1, kv_heads, keys, head_dim)
         mask = torch.zeros(1, n, keys)
         mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
         outs = {name: o.attention(q, k, v, mask, 0.125) for name, o in ops.items()}

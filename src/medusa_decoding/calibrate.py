@@ -385,7 +385,8 @@ def choose_kernels(model, tokenizer, heads, config: CalibrateConfig = DEFAULTS) 
     candidates = ["stock", "native"] + (["q8"] if block_codes(linear.weight) is not None else [])
     what = [device_name(model.device), str(model.dtype), model.name_or_path, model.config.to_diff_dict(),
             code_digest(), torch.__version__, candidates]
-    cached = cache_root() / "kernels" / f"auto-{hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]}.json"
+    key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]
+    cached = cache_root() / "kernels" / f"auto-{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())["kernels"]
     trees = [Tree.from_spec([]), Tree.from_spec([3])]

@@ -33,7 +33,8 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
                             help="kernels: auto (compiled on a GPU; on a CPU in float32 the fastest of stock, native "
                             "and q8, timed once on this machine), stock, native (exact: batch-invariant few-token "
-                            "linears and attention, built once per machine; $MEDUSA_ISA forces an instruction set), q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
+                            "linears and attention, built once per machine; $MEDUSA_ISA forces an instruction set), "
+                            "q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
                             "compiled (fixed-shape steps through torch.compile, native kernels inside on a CPU: "
                             "about 40 s of compiling per tree size on first use, then the fastest steps), "
                             "compiled-q8 (compiled, with q8's linears: the fastest on a CPU, approximate)")

@@ -61,7 +61,7 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
 
 def compile_settings(device_type: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
-    # what inductor compiled stays in the project's cache (not /tmp, which a reboot clears): a second run compiles nothing
+    # what inductor compiles stays in the project's cache (not /tmp, which a reboot clears): a second run compiles none
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     if device_type == "cuda":  # mode="reduce-overhead", as an option: torch.compile takes a mode or options, not both
         return {"dynamic": False, "options": {"triton.cudagraphs": True}}

@@ -175,8 +175,10 @@ void rows_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y
   for (; n < end; n++) tile_decoding<MB, 1, BITS>(x, xrow, w, y, N, n);
 }
 
+// rows_decoding for M <= MB rows of x
 template <int BITS, int MB = DECODING_X>
-void rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
+void rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N,
+                        int64_t n0) {
   if constexpr (MB > 1) {
     if (M < MB) return rows_decoding_upto<BITS, MB - 1>(M, x, xrow, w, y, N, n0);
   }
@@ -468,7 +470,8 @@ const Q8Path Q8_PATHS[] = {
 };
 constexpr int64_t Q8_PATH_COUNT = sizeof(Q8_PATHS) / sizeof(Q8_PATHS[0]);
 
-// the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is its index in q8_path_names
+// the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is
+// its index in q8_path_names
 std::vector<std::string> q8_path_names() {
   std::vector<std::string> names;
   for (const Q8Path& path : Q8_PATHS) names.push_back(path.supported() ? path.name : "");
@@ -520,7 +523,7 @@ std::string variant() { return VARIANT; }
 
 }  // namespace
 
-// MEDUSA_OPS names the ops' namespace: one per instruction-set variant (medusa_avx2, ...), so that all load side by side
+// MEDUSA_OPS names the ops' namespace: one per instruction-set variant (medusa_avx2, ...), so all load side by side
 #define DEFINE_OPS(ns, m) TORCH_LIBRARY(ns, m)
 #define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 

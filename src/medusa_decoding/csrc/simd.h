@@ -195,9 +195,11 @@ inline F16 exp(F16 a) {
 inline F16 half(F16 a) { return a; }  // folded inside sums16, two vectors a shuffle
 inline F16 sums16(F16* v) {
   V w[8];
-  for (int i = 0; i < 8; i++)  // vectors 2i, 2i + 1 -> lanes 0-7, 8-15
-    w[i] = __builtin_shufflevector(v[2 * i].p[0], v[2 * i + 1].p[0], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-           __builtin_shufflevector(v[2 * i].p[0], v[2 * i + 1].p[0], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int i = 0; i < 8; i++) {  // vectors 2i, 2i + 1 -> lanes 0-7, 8-15
+    const V a = v[2 * i].p[0], b = v[2 * i + 1].p[0];
+    w[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  }
   for (int i = 0; i < 4; i++)  // 4 lanes each
     w[i] = __builtin_shufflevector(w[2 * i], w[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
            __builtin_shufflevector(w[2 * i], w[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
