@@ -26,7 +26,7 @@ from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.decoding import propose, propose_confident
 from medusa_decoding.guard import Ladder
-from medusa_decoding.kernels import guess_projection, native_build
+from medusa_decoding.kernels import guess_projection
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
 from medusa_decoding.tree import Tree, build
 
@@ -322,7 +322,7 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     data[0].write_text("".join(records[:2]))
     data[1].write_text(records[2])
     main(["calibrate", "--data", *map(str, data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
-          "--max-nodes", "5", "--output", str(tmp_path / "out"), "--guess-vocab", "20"])
+          "--max-nodes", "5", "--output", str(tmp_path / "out"), "--guess-vocab", "20", "--kernels", EXACT_KERNELS])
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in records]
     answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
@@ -333,8 +333,7 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     for simulated in (record["simulated_tokens"], record["confident_tokens"]):  # random heads: rarely right
         assert len(simulated) == 6 and simulated[0] == 1 and all(1 <= n < 2 for n in simulated)
     threads = torch.get_num_threads()  # 1 (one_thread), or MEDUSA_TEST_THREADS
-    kernels = "stock" if native_build() else "native"
-    assert record["setup"].endswith(f", {threads} thread{'s' * (threads > 1)}, float32, {kernels} kernels")
+    assert record["setup"].endswith(f", {threads} thread{'s' * (threads > 1)}, float32, {EXACT_KERNELS} kernels")
     assert 1 <= record["size"] <= 5 and record["size"] == max(range(1, 6), key=record["tokens_per_s"].__getitem__)
     tree = Tree.from_spec(json.loads((tmp_path / "out" / "tree.json").read_text()))
     assert tree.num_nodes == record["size"] + 1
@@ -343,7 +342,7 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     assert "<- chosen" in capsys.readouterr().out
     (tmp_path / "out" / "model.safetensors").symlink_to(tmp_path / "heads" / "model.safetensors")
     (tmp_path / "out" / "config.json").symlink_to(tmp_path / "heads" / "config.json")
-    loaded = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out")
+    loaded = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out", kernels=EXACT_KERNELS)
     assert loaded.tree is tree
     if loaded.kernels == "native":  # the vocabulary lives in the LM head's int8 copy; stock kernels guess from all
         assert guess_projection(loaded.model).rows.tolist() == record["guess_vocab"]
