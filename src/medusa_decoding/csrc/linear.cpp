@@ -35,7 +35,6 @@ using namespace simd;
 constexpr int64_t LANES = 16;
 constexpr int64_t TILE = 4;  // weight rows a task
 constexpr int64_t BLOCK = 32;  // weights per GGUF block
-constexpr int64_t DECODING_ROWS = 8;  // up to here blocks are decoded in registers, for all the tokens at once
 // accumulators a tile keeps in registers (native vectors), and the tile of medusa::linear: TX rows of x by TW of w
 #if SIMD_W == 16
 constexpr int ACCUMULATORS = 16, TX = 4, TW = 4;
@@ -44,7 +43,9 @@ constexpr int ACCUMULATORS = 12, TX = 3, TW = 2;
 #else
 constexpr int ACCUMULATORS = 8, TX = 2, TW = 1;
 #endif
-constexpr int DECODING_X = ACCUMULATORS / P;  // rows of x a pass that decodes blocks in registers
+// up to here blocks are decoded in registers, for all the tokens at once (more rows than the accumulators hold would
+// decode every block twice: the decoded buffer's float32 tiles cost less)
+constexpr int DECODING_ROWS = std::min(8, ACCUMULATORS / P);
 
 // acc[i][j] += x rows' 16 floats at k times w rows', part by part (both rows padded: whole vectors)
 template <int MB, int NB, bool PREFETCH>
@@ -136,7 +137,7 @@ struct Blocks {
   }
 };
 
-// y[0:MB, n0:n0+NB] for MB <= DECODING_X tokens, the weight rows decoded in registers as they are multiplied: a
+// y[0:MB, n0:n0+NB] for MB <= DECODING_ROWS tokens, the weight rows decoded in registers as they are multiplied: a
 // buffer written and read back costs more than the products over so few tokens. Each accumulator sums the same
 // products in the same order as `tile` does over a decoded buffer (per block, weights 0-15, then 16-31): the same bits.
 template <int MB, int NB, int BITS>
@@ -176,7 +177,7 @@ void rows_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y
 }
 
 // rows_decoding for M <= MB rows of x
-template <int BITS, int MB = DECODING_X>
+template <int BITS, int MB = DECODING_ROWS>
 void rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N,
                         int64_t n0) {
   if constexpr (MB > 1) {
@@ -192,9 +193,7 @@ at::Tensor run_decoding(const at::Tensor& x, const Blocks<BITS>& weights, int64_
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 8, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; t++)
-      for (int64_t m = 0; m < M; m += DECODING_X)
-        rows_decoding_upto<BITS>(std::min<int64_t>(DECODING_X, M - m), X + m * K, K, weights, Y + m * N, N, t * TILE);
+    for (int64_t t = begin; t < end; t++) rows_decoding_upto<BITS>(M, X, K, weights, Y, N, t * TILE);
   });
   return y;
 }
