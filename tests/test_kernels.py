@@ -263,6 +263,17 @@ def test_auto_kernels_take_the_fastest_measured_never_slower_than_stock_and_meas
     assert MedusaModel(again, tiny_tokenizer(), random_heads(again), kernels="auto").kernels == medusa.kernels
 
 
+def test_auto_kernels_without_a_compiler_are_stock_with_one_line_saying_why(monkeypatch, capsys):
+    monkeypatch.setattr(kernels, "build_variant", lambda isa: "no C++ compiler: 'c++' is not on PATH")
+    kernels.native_available.cache_clear()  # it says why once a process
+    try:
+        model = lively_model("llama")
+        assert MedusaModel(model, tiny_tokenizer(), random_heads(model), kernels="auto").kernels == "stock"
+    finally:
+        kernels.native_available.cache_clear()
+    assert "running PyTorch's stock kernels: no C++ compiler" in capsys.readouterr().err
+
+
 def test_resolve_kernels():
     assert resolve_kernels("auto", torch.device("cpu"), torch.float32) == ("stock" if native_build() else "native")
     assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
