@@ -1,17 +1,20 @@
 """The GPU benchmark: what the compiled engine gives on one GPU, in one command (meant to take under 10 minutes).
 
-1. The bandwidth floor of a 7B-shaped Llama (random weights, bfloat16): its weight bytes over the device's measured
-   copy bandwidth, the least time any engine can take for a one-token step.
-2. That model's full decoding step (decoding.Batch: guess, verify, accept, commit) of plain decoding and of trees of
-   16/32/64/128 nodes, at a 512-token context, on the eager and the compiled engine (calibrate.measure_step_latency).
-3. SmolLM2-135M-Instruct with its shipped heads, end to end on held-out prompts: MEDUSA and plain decoding on the
-   compiled engine, and `transformers` `generate` with its own static cache compiled; greedy, so MEDUSA must give
-   plain decoding's tokens (lossless) and the report says whether it did.
-Prints a table, writes PREFIX.json and PREFIX.png.
+1. SmolLM2-135M-Instruct with its shipped heads, end to end on MT-Bench's first turns (`--questions`, `--turns`),
+   in each of `--dtypes`: MEDUSA (the heads' calibrated tree of 64 nodes) and plain decoding on the compiled engine,
+   and `transformers` `generate` with its own static cache compiled; greedy, so MEDUSA must give plain decoding's
+   tokens (lossless) and the report says whether it did. Then a torch profiler over 20 steps of each engine decoder:
+   kernels, host and device time per step (PREFIX_profile_DTYPE.txt beside the JSON).
+2. The bandwidth floor of a 7B-shaped Llama (random weights, bfloat16): its weight bytes over the device's measured
+   copy bandwidth, the least time any engine can take for a one-token step; its full decoding step (decoding.Batch)
+   of plain decoding and of trees of `--nodes` nodes at a 512-token context on the compiled engine (`--eager`: on the
+   eager one too; calibrate.measure_step_latency).
+Prints a table, writes PREFIX.json (after each part: a run stopped short keeps what it measured) and PREFIX.png.
 
-usage: python benchmarks/gpu.py [--out benchmarks/results/gpu] [--small] [--nodes 16 32 64 128]
-On the lent GPU (DEVELOPERS.md): `source /root/medusa-gpu/env.sh && PYTHONPATH=src:$PYTHONPATH python3 benchmarks/gpu.py`
-(MEDUSA_GGUF points at the carried model). `--small` swaps the 7B shape for a tiny one: a CPU check of the script.
+usage: python benchmarks/gpu.py [--out benchmarks/results/gpu] [--small] [--nodes 64] [--parts smollm2 7b] ...
+On the lent GPU (DEVELOPERS.md): `source /root/medusa-gpu/env.sh && PYTHONPATH=src:$PYTHONPATH python3 benchmarks/gpu.py
+--questions .gpu2/mt_bench_question.jsonl` (MEDUSA_GGUF points at the carried model). `--small` swaps the 7B shape
+for a tiny one: a CPU check of the script.
 """
 
 import argparse
@@ -38,7 +41,7 @@ SHAPE_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
                 num_key_value_heads=32, vocab_size=32000)
 SHAPE_SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=8, vocab_size=32000)
-CONTEXT, NEW_TOKENS, TURNS = 512, 256, 8
+CONTEXT, NEW_TOKENS, TURNS, PROFILED_STEPS = 512, 256, 16, 20
 SMOL_CANDIDATES = 63  # SmolLM2's tree: the greedy tree of 64 nodes from its heads' calibration
 
 
@@ -64,14 +67,14 @@ def random_llama(shape: dict, device: torch.device):
     return model, heads
 
 
-def step_latencies(model, heads, nodes: list[int]) -> dict:
-    """{engine: [seconds of plain, then of each tree size]} on the eager and the compiled engine."""
+def step_latencies(model, heads, nodes: list[int], engines: tuple[str, ...]) -> dict:
+    """{engine: [seconds of plain, then of each tree size]} on each of `engines` (eager, compiled)."""
     # a tree of each size from a plausible accuracy table (head k's rank i right 0.6^(k+1) / (i+1) of the time)
     accuracy = torch.tensor([[0.6 ** (k + 1) / (i + 1) for i in range(64)] for k in range(4)], dtype=torch.float64)
     trees = greedy_trees(accuracy, [0] + [n - 1 for n in nodes])
     timing = CalibrateConfig(latency_contexts=(CONTEXT,), latency_repeats=10)
     latencies = {}
-    for engine in ("eager", "compiled"):  # the same modules (stock kernels off a CPU in float32), two engines
+    for engine in engines:  # the same modules (stock kernels off a CPU in float32), two engines
         engine_view = SimpleNamespace(model=model, heads=heads, compiled=engine == "compiled")
         _, (latencies[engine],) = measure_step_latency(engine_view, trees, timing)
     return latencies
@@ -88,74 +91,126 @@ def static_generate(model, ids: torch.Tensor, new_tokens: int) -> GenerationOutp
     return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text="", seconds=time.perf_counter() - start)
 
 
-def end_to_end(device: torch.device, turns: int) -> dict:
-    """SmolLM2 with its shipped heads: tokens/s of MEDUSA, plain (compiled engine) and static-cache generate."""
+def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns: int, prefix: str, save) -> dict:
+    """SmolLM2 with its shipped heads in `dtype`: tokens/s and step time of MEDUSA, plain (compiled engine) and
+    static-cache generate on the first turns of `questions` (`save`d), then a profile of each engine decoder."""
     heads_dir = shipped_heads()
     tree = greedy_trees(read_accuracy(heads_dir).accuracy, [SMOL_CANDIDATES])[0]
-    medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device=device, kernels="compiled")
+    medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device=device, dtype=dtype, kernels="compiled")
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
-    decoders = {"medusa": lambda ids: medusa.generate(ids, config=config),
-                "plain": lambda ids: medusa.generate(ids, config=replace(config, medusa=False)),
-                "generate (static, compiled)": lambda ids: static_generate(medusa.model, ids, NEW_TOKENS)}
-    prompts = [medusa.encode(messages=[{"role": "user", "content": q.turns[0]}]) for q in read_questions([PROMPTS])]
+    decoders = {"medusa": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n)),
+                "plain": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n,
+                                                                                    medusa=False)),
+                "generate (static, compiled)": lambda ids, n=NEW_TOKENS: static_generate(medusa.model, ids, n)}
+    chosen = read_questions([questions], per_category=max(1, turns // 8))[:turns]
+    prompts = [medusa.encode(messages=[{"role": "user", "content": q.turns[0]}]) for q in chosen]
     outputs = {name: [] for name in decoders}
-    for number, ids in enumerate(prompts[: turns + 1]):  # the first compiles, off the clock
+    for number, ids in enumerate([prompts[0], *prompts]):  # the first compiles, off the clock
         for name, decode in decoders.items():
             out = decode(ids)
             if number:
                 outputs[name].append(out)
-    return {"tree_nodes": tree.num_nodes, "turns": turns,
-            "lossless": all(m.token_ids == p.token_ids for m, p in zip(outputs["medusa"], outputs["plain"])),
-            "tokens_per_s": {name: sum(len(o.token_ids) for o in outs) / sum(o.seconds for o in outs)
-                             for name, outs in outputs.items()},
-            "tokens_per_step": {name: sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs)
-                                for name, outs in outputs.items()}}
+    result = {"tree_nodes": tree.num_nodes, "turns": len(prompts), "dtype": str(dtype).removeprefix("torch."),
+              "lossless": all(m.token_ids == p.token_ids for m, p in zip(outputs["medusa"], outputs["plain"])),
+              "tokens": {name: sum(len(o.token_ids) for o in outs) for name, outs in outputs.items()},
+              "tokens_per_s": {name: sum(len(o.token_ids) for o in outs) / sum(o.seconds for o in outs)
+                               for name, outs in outputs.items()},
+              "tokens_per_step": {name: sum(len(o.token_ids) for o in outs) / sum(o.steps for o in outs)
+                                  for name, outs in outputs.items()},
+              "step_ms": {name: 1e3 * sum(o.seconds for o in outs) / sum(o.steps for o in outs)
+                          for name, outs in outputs.items()}}
+    save(result)
+    result["profile"] = {name: profile(decoders[name], prompts[0], f"{prefix}_profile_{result['dtype']}_{name}.txt")
+                         for name in ("medusa", "plain")}
+    return result
+
+
+def profile(decode, ids: torch.Tensor, path: str) -> dict:
+    """A torch profiler over about PROFILED_STEPS steps of `decode` (after one run off the record): kernels, host and
+    device milliseconds per step; its table of kernels to `path`."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as profiler
+
+    out = decode(ids, PROFILED_STEPS)
+    new_tokens = max(1, round(PROFILED_STEPS * out.acceleration_rate))
+    decode(ids, new_tokens)
+    with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        out = decode(ids, new_tokens)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    Path(path).write_text(prof.key_averages().table(sort_by="device_time_total", row_limit=30) + "\n")
+    steps = max(out.steps, 1)
+    return {"steps": out.steps, "kernels_per_step": len(kernels) / steps,
+            "host_ms_per_step": 1e3 * out.seconds / steps,
+            "device_ms_per_step": sum(e.time_range.elapsed_us() for e in kernels) / 1e3 / steps}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="benchmarks/results/gpu", help="PREFIX of PREFIX.json and PREFIX.png")
     parser.add_argument("--small", action="store_true", help="a tiny model in place of the 7B shape (a quick check)")
-    parser.add_argument("--nodes", type=int, nargs="+", default=[16, 32, 64, 128], help="tree sizes timed")
-    parser.add_argument("--turns", type=int, default=TURNS, help="held-out prompts decoded end to end")
+    parser.add_argument("--nodes", type=int, nargs="+", default=[64], help="tree sizes timed on the 7B shape")
+    parser.add_argument("--eager", action="store_true", help="time the 7B shape on the eager engine too")
+    parser.add_argument("--questions", type=Path, default=PROMPTS, help="prompts (MT-Bench's format) for SmolLM2")
+    parser.add_argument("--turns", type=int, default=TURNS, help="prompts decoded end to end")
+    parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="SmolLM2's dtypes")
+    parser.add_argument("--parts", nargs="+", default=["smollm2", "7b"], choices=["smollm2", "7b"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    shape = SHAPE_SMALL if args.small else SHAPE_7B
-    model, heads = random_llama(shape, device)
-    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    bandwidth = copy_bandwidth(device)
-    latencies = step_latencies(model, heads, args.nodes)
-    del model, heads
-    report = {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-              "shape": shape, "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
-              "floor_s": weight_bytes / bandwidth, "context": CONTEXT, "nodes": [1, *args.nodes],
-              "step_s": latencies, "smollm2": end_to_end(device, args.turns)}
-    print(table(report))
+    report = {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    def save(part: dict | None = None) -> None:
+        if part is not None:
+            report.setdefault("smollm2", {})[part["dtype"]] = part
+        Path(f"{args.out}.json").write_text(json.dumps(report, indent=1) + "\n")
+
+    for part in args.parts:
+        if part == "smollm2":
+            for dtype in args.dtypes:
+                save(end_to_end(device, getattr(torch, dtype), args.questions, args.turns, args.out, save))
+                print(smollm2_table(report["smollm2"][dtype]), flush=True)
+        else:
+            shape = SHAPE_SMALL if args.small else SHAPE_7B
+            model, heads = random_llama(shape, device)
+            weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+            bandwidth = copy_bandwidth(device)
+            engines = ("eager", "compiled") if args.eager else ("compiled",)
+            latencies = step_latencies(model, heads, args.nodes, engines)
+            del model, heads
+            report["llama"] = {"shape": shape, "weight_bytes": weight_bytes, "bandwidth_bytes_per_s": bandwidth,
+                               "floor_s": weight_bytes / bandwidth, "context": CONTEXT, "nodes": [1, *args.nodes],
+                               "step_s": latencies}
+            save()
+            print(llama_table(report["llama"]), flush=True)
+    print(report["device"], f"torch {report['torch']}, transformers {report['transformers']}")
     plot(report, f"{args.out}.png")
 
 
-def table(report: dict) -> str:
-    floor, compiled = report["floor_s"], report["step_s"]["compiled"]
-    lines = [f"{report['device']}; torch {report['torch']}, transformers {report['transformers']}",
-             f"Llama of {report['shape']['num_hidden_layers']} layers x {report['shape']['hidden_size']} (random "
-             f"weights), step at a {report['context']}-token context; bandwidth floor {floor * 1e3:.2f} ms "
-             f"({report['weight_bytes'] / 1e9:.1f} GB at {report['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)",
-             "| nodes | eager (ms) | compiled (ms) | compiled / floor | compiled / plain |", "| --- | --- | --- | --- | --- |"]
-    for i, nodes in enumerate(report["nodes"]):
-        eager, fast = report["step_s"]["eager"][i], compiled[i]
-        lines.append(f"| {nodes} | {eager * 1e3:.2f} | {fast * 1e3:.2f} | {fast / floor:.2f} | {fast / compiled[0]:.2f} |")
-    smol = report["smollm2"]
-    lines += ["", f"SmolLM2-135M, shipped heads, {smol['tree_nodes']}-node tree, {smol['turns']} held-out prompts, "
-              f"{NEW_TOKENS} tokens, greedy; MEDUSA lossless: {smol['lossless']}",
-              "| decoder | tokens/s | tokens/step |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {speed:.1f} | {smol['tokens_per_step'][name]:.2f} |"
+def llama_table(llama: dict) -> str:
+    floor = llama["floor_s"]
+    lines = [f"Llama of {llama['shape']['num_hidden_layers']} layers x {llama['shape']['hidden_size']} (random "
+             f"weights), step at a {llama['context']}-token context; bandwidth floor {floor * 1e3:.2f} ms "
+             f"({llama['weight_bytes'] / 1e9:.1f} GB at {llama['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s)",
+             "| nodes | engine | step (ms) | / floor | / plain |", "| --- | --- | --- | --- | --- |"]
+    for engine, seconds in llama["step_s"].items():
+        lines += [f"| {nodes} | {engine} | {s * 1e3:.2f} | {s / floor:.2f} | {s / seconds[0]:.2f} |"
+                  for nodes, s in zip(llama["nodes"], seconds)]
+    return "\n".join(lines)
+
+
+def smollm2_table(smol: dict) -> str:
+    lines = [f"SmolLM2-135M {smol['dtype']}, shipped heads, {smol['tree_nodes']}-node tree, {smol['turns']} turns, "
+             f"{NEW_TOKENS} tokens, greedy; MEDUSA lossless: {smol['lossless']}",
+             "| decoder | tokens/s | tokens/step | step (ms) |", "| --- | --- | --- | --- |"]
+    lines += [f"| {name} | {speed:.1f} | {smol['tokens_per_step'][name]:.2f} | {smol['step_ms'][name]:.2f} |"
               for name, speed in smol["tokens_per_s"].items()]
-    plain = smol["tokens_per_s"]["plain"]
-    lines.append(f"MEDUSA: {smol['tokens_per_s']['medusa'] / plain:.2f}x plain, "
-                 f"{smol['tokens_per_s']['medusa'] / smol['tokens_per_s']['generate (static, compiled)']:.2f}x "
-                 "static compiled generate")
+    speed = smol["tokens_per_s"]
+    lines.append(f"MEDUSA: {speed['medusa'] / speed['plain']:.2f}x plain, "
+                 f"{speed['medusa'] / speed['generate (static, compiled)']:.2f}x static compiled generate; step "
+                 f"{smol['step_ms']['medusa'] / smol['step_ms']['plain']:.2f}x plain's")
+    lines += [f"profile, {name}: {p['steps']} steps, {p['kernels_per_step']:.0f} kernels, host "
+              f"{p['host_ms_per_step']:.2f} ms, device {p['device_ms_per_step']:.2f} ms a step"
+              for name, p in smol["profile"].items()]
     return "\n".join(lines)
 
 
@@ -166,15 +221,21 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     figure, (steps, speed) = plt.subplots(1, 2, figsize=(11, 4))
-    for engine, seconds in report["step_s"].items():
-        steps.plot(report["nodes"], [s * 1e3 for s in seconds], marker="o", label=engine)
-    steps.axhline(report["floor_s"] * 1e3, color="gray", linestyle="--", label="bandwidth floor")
-    steps.set(xscale="log", xlabel="tree nodes (1: plain)", ylabel="step (ms)",
-              title=f"Llama {report['shape']['num_hidden_layers']} x {report['shape']['hidden_size']} step")
-    steps.legend()
-    names = list(report["smollm2"]["tokens_per_s"])
-    speed.bar(names, [report["smollm2"]["tokens_per_s"][n] for n in names])
+    if (llama := report.get("llama")) is not None:
+        for engine, seconds in llama["step_s"].items():
+            steps.plot(llama["nodes"], [s * 1e3 for s in seconds], marker="o", label=engine)
+        steps.axhline(llama["floor_s"] * 1e3, color="gray", linestyle="--", label="bandwidth floor")
+        steps.set(xscale="log", xlabel="tree nodes (1: plain)", ylabel="step (ms)",
+                  title=f"Llama {llama['shape']['num_hidden_layers']} x {llama['shape']['hidden_size']} step")
+        steps.legend()
+    runs = report.get("smollm2", {})
+    names = [name for smol in runs.values() for name in smol["tokens_per_s"]][:3]
+    for i, (dtype, smol) in enumerate(runs.items()):
+        speed.bar([j + 0.4 * i for j in range(len(names))], [smol["tokens_per_s"][n] for n in names], width=0.4,
+                  label=dtype)
+    speed.set_xticks([j + 0.2 for j in range(len(names))], names, fontsize=8)
     speed.set(ylabel="tokens/s", title="SmolLM2-135M end to end")
+    speed.legend()
     figure.suptitle(report["device"], fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)

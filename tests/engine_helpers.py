@@ -94,13 +94,32 @@ class OracleHeads(torch.nn.Module):
     guesses = MedusaHeads.guesses
     guess_rows = MedusaHeads.guess_rows
 
-    @torch.compiler.disable  # Python that reads the device: the compiled engine's proposal graph calls it as it is
     def forward(self, hidden: torch.Tensor, lm_head=None, num_heads: int | None = None, embeds=None, first: int = 0
                 ) -> torch.Tensor:
         # hidden: [..., H] (embeds: [..., D, H]) -> logits: [K', ..., V]
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.reference.dtype)
-        paths = None if embeds is None else embeds.reshape(len(flat), *embeds.shape[-2:])
         positions = torch.cdist(flat, self.reference).argmin(-1)  # [B]
+        logits = self.planted(positions) if self.config.kind == "medusa" else self.on_path(positions, embeds)
+        logits = logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
+        return logits[first:num_heads]
+
+    def planted(self, positions: torch.Tensor) -> torch.Tensor:
+        """[B] -> [B, K, V] MEDUSA guesses: the true tokens ahead planted in the noise, in tensor ops (a compiled
+        step runs them inside its graph)."""
+        ahead = positions[:, None] + torch.arange(2, 2 + self.config.num_heads)  # [B, K]
+        token = self.sequence[ahead.clamp(max=len(self.sequence) - 1)]
+        luck = self.luck[positions]
+        planted = torch.where(luck < ORACLE_RANK0, 100.0, torch.where(luck < ORACLE_RANK1, 50.0, -100.0))
+        logits = self.noise[positions].scatter(2, token[..., None], planted[..., None])
+        runner_up = (token + 1) % self.config.vocab_size  # rank 0 where the true token is at rank 1
+        logits = torch.where(((luck < ORACLE_RANK1) & (luck >= ORACLE_RANK0))[..., None],
+                             logits.scatter(2, runner_up[..., None], torch.full_like(planted[..., None], 100.0)), logits)
+        return torch.where((ahead < len(self.sequence))[..., None], logits, self.noise[positions])
+
+    @torch.compiler.disable  # Python that reads the device: the compiled engine's proposal graph calls it as it is
+    def on_path(self, positions: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
+        """[B] -> [B, K, V] hydra guesses: the true tokens ahead after the true path only, noise after any other."""
+        paths = embeds.reshape(len(positions), *embeds.shape[-2:])
         logits = self.noise[positions].clone()  # [B, K, V]; noise is far below the planted values
         for b, position in enumerate(positions.tolist()):
             for k in range(self.config.num_heads):
@@ -108,8 +127,7 @@ class OracleHeads(torch.nn.Module):
                 if ahead >= len(self.sequence):
                     continue
                 token, luck = int(self.sequence[ahead]), float(self.luck[position, k])
-                if self.config.kind == "hydra" and not torch.equal(
-                        paths[b, : k + 1], self.embedding[self.sequence[position + 1 : ahead]]):
+                if not torch.equal(paths[b, : k + 1], self.embedding[self.sequence[position + 1 : ahead]]):
                     continue  # off the true path: noise
                 if luck < ORACLE_RANK0:
                     logits[b, k, token] = 100
@@ -118,5 +136,4 @@ class OracleHeads(torch.nn.Module):
                     logits[b, k, token] = 50
                 else:
                     logits[b, k, token] = -100
-        logits = logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
-        return logits[first:num_heads]
+        return logits

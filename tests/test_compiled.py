@@ -41,7 +41,8 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
     model = lively_model(family, seed=FAMILIES.index(family))
     engine = use_kernels(copy.deepcopy(model), "compiled")
     # the oracle's paths are accepted deep and cut at every depth: the moves and the greedy rule see real work
-    long_prompt, new_tokens = PROMPT.repeat(3), (40, 23)
+    # (the two oracles' tables of the same size: a compiled step runs the heads inside its graph)
+    long_prompt, new_tokens = PROMPT.repeat(3), (40, 16)
     references = [greedy_reference(model, prompt, n) for prompt, n in zip((PROMPT, long_prompt), new_tokens)]
     heads = [OracleHeads(engine, torch.cat([prompt, torch.tensor(reference)]))
              for prompt, reference in zip((PROMPT, long_prompt), references)]
@@ -49,9 +50,10 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
     for tree in TREES:
         assert tokens_of(engine, heads[0], PROMPT, tree, new_tokens[0]) == references[0]
     first = graphs() - before
-    # a step per tree size, one path mover for every tree and a proposal per static tree (unless a model of the same
-    # shapes compiled them)
-    assert SIZES <= first <= SIZES + 1 + PROPOSALS
+    # a device step per static tree (compiled.device_graph), a proposal for each one's first step, and for the
+    # confident tree (a new shape each step: on the host) a verification step and the path mover (fewer where a model
+    # of the same shapes compiled them)
+    assert SIZES <= first <= SIZES + PROPOSALS + 2
     for tree in TREES:  # another prompt, context and budget (the last steps' trees cut short): no new graph
         assert tokens_of(engine, heads[1], long_prompt, tree, new_tokens[1]) == references[1]
     assert graphs() - before == first
@@ -147,3 +149,51 @@ def test_step_graph_settings_are_valid_on_every_device(device_type):
 
     assert callable(compiled.step_graph(Model()))
     assert callable(compiled.graph(kv.gather_paths, device_type))
+
+
+class HostReads(torch.overrides.TorchFunctionMode):
+    """Counts the reads of tensor values by the host (tolist, item, bool, int, float) while active."""
+
+    READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.__int__,
+             torch.Tensor.__float__, torch.Tensor.__index__}
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += func in self.READS
+        return func(*args, **(kwargs or {}))
+
+
+@needs_compiler
+@pytest.mark.parametrize("spec", [(), [2, 1]], ids=["plain", "tree"])
+def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec):
+    """Batch.step on the compiled engine, greedy under a fixed tree: one graph (compiled whole: fullgraph), one read
+    of the device a step, counted where the engine routes its reads (compiled.read) and at every tensor method that
+    reads values; a second request, at another context length, compiles nothing new."""
+    model = use_kernels(lively_model("llama"), "compiled")
+    heads, tree = random_heads(model), Tree.from_spec(spec) if spec else PLAIN
+    config = GenerationConfig(max_new_tokens=16)
+
+    def request(prompt: torch.Tensor, each_step=lambda: None) -> list[int]:
+        batch = Batch(model, heads, compiled=True)
+        row = batch.join(prompt, config, tree)
+        with torch.inference_mode():
+            batch.step()  # the first step builds the rows' device state
+            while batch.rows:
+                each_step()
+                batch.step()
+        return row
+
+    assert request(PROMPT).produced == 16
+    before, breaks, routed = graphs(), sum(torch._dynamo.utils.counters["graph_break"].values()), compiled.host_reads
+    steps = []
+    row = request(PROMPT[:7], lambda: steps.append(compiled.host_reads))
+    assert len(steps) >= 3 and compiled.host_reads - routed == len(steps) + 1 and row.produced == 16
+    assert [b - a for a, b in zip(steps, steps[1:])] == [1] * (len(steps) - 1)
+    assert graphs() == before and sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
+    with HostReads() as reads:  # (dynamo guards the modes: this request compiles its steps again, under the mode)
+        counts = []
+        request(PROMPT[:9], lambda: counts.append(reads.count))
+    assert len(counts) >= 3 and [b - a for a, b in zip(counts, counts[1:])] == [1] * (len(counts) - 1)

@@ -29,6 +29,7 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .default_model import cache_root
 from .heads import run_backbone
+from .tree import on_device, padded
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
 
@@ -104,7 +105,7 @@ def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: 
     depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
     logits, hidden, greedy = step_graph(model)(model, cache, tokens, lengths, depths, parents, attention, chains,
                                                layers)
-    return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in greedy.tolist()]  # one read
+    return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
 
 
 def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int, on_device: torch.Tensor) -> None:
@@ -122,3 +123,146 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int,
 
 
 MOVED = set()  # the shapes the path mover has run at (commit)
+
+
+def device_graph(model: PreTrainedModel, heads, lm_head, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
+                 columns: torch.Tensor, hidden: torch.Tensor, record: torch.Tensor, depths: torch.Tensor,
+                 parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree_heads: torch.Tensor,
+                 tree_ranks: torch.Tensor, layers: tuple[int, ...], k: int) -> None:
+    """A whole greedy step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
+    `lengths` [B] (verify_graph; row b's nodes go to the cache at `columns` [B, T], the index every layer holds),
+    accept greedily, move the accepted paths into place (an identity move costs what any other does), advance
+    `lengths`, keep the accepted node's heads' input state in `hidden` [B, S], write the next step's tree tokens (the
+    next root, then the heads' guesses at `tree_heads`/`tree_ranks`) into `tokens`, and the step's outcome into
+    `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
+    after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
+    width = record.shape[1] - 1
+    columns.copy_(lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device))
+    _, state, greedy = verify_graph(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
+    count, root, path = greedy[:, 0], greedy[:, 1], greedy[:, 2: 2 + width]
+    if width > 1:
+        kv.gather_paths(cache, lengths, path)
+    last = path.gather(1, count[:, None] - 1)  # [B, 1]: the accepted node
+    hidden.copy_(state.gather(1, last[:, :, None].expand(-1, -1, state.shape[-1]))[:, 0])
+    produced = torch.cat([tokens.gather(1, path[:, 1:]), tokens[:, :1]], 1)  # the path's candidates, then room
+    after = torch.arange(width, device=tokens.device) == count[:, None] - 1
+    record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
+    lengths.add_(count)
+    if heads is None:
+        tokens.copy_(root[:, None])
+    else:  # guesses [D, B, k] -> the tree's candidates [B, N]
+        guesses = heads.guesses(hidden, lm_head, k, width - 1)
+        tokens.copy_(torch.cat([root[:, None], guesses[tree_heads, :, tree_ranks].T], 1))
+
+
+DEVICE_STEPS = weakref.WeakKeyDictionary()  # model -> its compiled device step
+
+
+def device_step_graph(model: PreTrainedModel):
+    """`model`'s compiled device step (device_graph): whole (a graph break is an error), guarded as step_graph."""
+    if (step := DEVICE_STEPS.get(model)) is None:
+        code = device_graph.__code__.replace()
+        fresh = types.FunctionType(code, device_graph.__globals__, device_graph.__name__)
+        options = compile_settings(model.device.type)
+        options["options"] = {**options.get("options", {}),
+                              "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        step = DEVICE_STEPS[model] = torch.compile(fresh, fullgraph=True, **options)
+    return step
+
+
+host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a greedy step to one
+
+
+def read(tensor: torch.Tensor) -> list:
+    """`tensor` on the host: the one place a compiled step waits for the device."""
+    global host_reads
+    host_reads += 1
+    return tensor.tolist()
+
+
+class DeviceRows:
+    """A batch's rows as device_graph steps them, in buffers the model keeps for batches of their shape (a CUDA graph
+    replays on the same addresses, request after request): the next tree tokens [B, T], lengths [B], write columns
+    [B, T], heads' input states [B, S] and the last step's record [B, 1 + W]. Built from the rows' own state (root,
+    heads' input, length) whenever they change by other means than `step` (a row joins or leaves, another tree, a
+    step taken elsewhere): `holds` says whether it still stands for them."""
+
+    def __init__(self, rows: list, tree, tokens: torch.Tensor, cache: Cache):
+        device, size = tokens.device, rows[0].hidden.shape[-1]
+        self.tree, self.rows = tree, rows
+        shape = (len(rows), tree.num_nodes, size, tree.depth + 1)
+        self.buffers = buffers_for(device, shape, rows[0].hidden.dtype, cache)
+        self.buffers["owner"] = self  # another batch of this shape takes them over: this one no longer holds
+        self.tokens.copy_(tokens)
+        self.hidden.copy_(torch.stack([row.hidden for row in rows]))
+        self.lengths.copy_(torch.tensor([row.length for row in rows], device=device))
+        depths, parents, attention, chains = padded(tree, tree.num_nodes, device)
+        on = on_device(tree, device)
+        self.tree_tensors = (*(t.expand(len(rows), *t.shape).contiguous() for t in (depths, parents, attention, chains)),
+                             on.heads, on.ranks)
+        placed = (torch.arange(len(rows), device=device)[:, None], slice(None), self.columns)
+        for layer in cache.layers:
+            layer.placed = placed
+        self.seen = self.now()
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        return self.buffers[name]  # tokens, lengths, columns, hidden, record
+
+    def now(self) -> list[tuple[int, int]]:
+        return [(row.root, row.length) for row in self.rows]
+
+    def holds(self, rows: list, tree, cache: Cache) -> bool:
+        return (tree is self.tree and rows == self.rows and self.buffers["owner"] is self and self.now() == self.seen
+                and cache.layers[0].placed is not None and cache.layers[0].placed[2] is self.columns)
+
+    def step(self, model: PreTrainedModel, heads, lm_head, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
+        """One step (device_graph) -> the tokens each row produced; the caller then moves the rows on and `settled`."""
+        plain = self.tree.num_nodes == 1
+        device_step_graph(model)(model, None if plain else heads, lm_head, cache, self.tokens, self.lengths,
+                                 self.columns, self.hidden, self.record, *self.tree_tensors, layers=layers,
+                                 k=max(self.tree.topk_per_head(), 1))
+        return [row[1: 1 + row[0]] for row in read(self.record)]
+
+    def settled(self) -> None:
+        """The rows moved on as the record says: each row's heads' input is its row of `hidden` (a view that
+        follows it step after step)."""
+        for b, row in enumerate(self.rows):
+            row.hidden = self.hidden[b]
+        self.seen = self.now()
+
+
+BUFFERS = weakref.WeakKeyDictionary()  # a cache -> {shape: DeviceRows' buffers}
+
+
+def buffers_for(device: torch.device, shape: tuple[int, int, int, int], dtype: torch.dtype, cache: Cache) -> dict:
+    """DeviceRows' buffers for (rows B, nodes T, state size S, path width W), allocated once per cache."""
+    pool = BUFFERS.setdefault(cache, {})
+    if (found := pool.get((shape, dtype))) is None:
+        rows, nodes, size, width = shape
+        found = pool[(shape, dtype)] = {
+            "tokens": torch.zeros(rows, nodes, dtype=torch.long, device=device),
+            "lengths": torch.zeros(rows, dtype=torch.long, device=device),
+            "columns": torch.zeros(rows, nodes, dtype=torch.long, device=device),
+            "hidden": torch.zeros(rows, size, dtype=dtype, device=device),
+            "record": torch.zeros(rows, 1 + width, dtype=torch.long, device=device), "owner": None}
+        if device.type == "cuda":
+            for name, tensor in found.items():
+                if tensor is not None:
+                    torch._dynamo.mark_static_address(tensor)
+    return found
+
+
+CACHES = weakref.WeakKeyDictionary()  # model -> the whole caches no batch holds
+
+
+def cache_for(batch, model: PreTrainedModel) -> Cache:
+    """A whole cache for a new batch on the compiled engine: one that a batch now gone held (its buffers, at the same
+    addresses, are what the captured graphs replay on), else a new one. It goes back when `batch` does."""
+    free = CACHES.setdefault(model, [])
+    if free:
+        cache = free.pop()
+        kv.settle(cache, [], [])  # no rows
+    else:
+        cache = kv.allocate(model, CAPACITY, whole=True)
+    weakref.finalize(batch, free.append, cache)
+    return cache

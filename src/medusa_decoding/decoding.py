@@ -220,8 +220,9 @@ class Batch:
         self.embed = model.get_input_embeddings()  # what hydra heads read of the tokens before their guess
         self.layers = heads.config.feature_layers if heads is not None else ()  # what they read of earlier layers
         self.compiled = compiled  # compiled.py's fixed-shape steps, else eager ones
-        self.cache = kv.allocate(model, engine.CAPACITY if compiled else 0, whole=compiled)
+        self.cache = engine.cache_for(self, model) if compiled else kv.allocate(model, 0)
         self.rows: list[Row] = []
+        self.on_device: engine.DeviceRows | None = None  # the rows as the compiled engine's device step left them
 
     def join(self, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
              eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None) -> Row:
@@ -273,9 +274,28 @@ class Batch:
         # a cut tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
         return Plan(step_tree, tokens, guesses, step_tree is tree and row.config.seed is None, nodes)
 
+    def device_tree(self) -> Tree | None:
+        """The tree of a step that can run whole on the device (compiled.DeviceRows), else None: on the compiled
+        engine, every row greedy under the same fixed tree, of heads that guess once per step (the MEDUSA layout, no
+        prefix layer), positions within the model's context."""
+        trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in self.rows}
+        if not self.compiled or len(trees) != 1:
+            return None
+        tree, = trees.values()
+        medusa = tree.num_nodes == 1 or (self.heads.config.kind == "medusa" and self.heads.prefix is None)
+        fixed = all(row.config.temperature == 0 and not row.guard.watching and not row.guard.ladder.confident
+                    for row in self.rows)
+        within = max(row.length for row in self.rows) + tree.depth < context_limit(self.model)
+        return tree if medusa and fixed and within else None
+
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per
         row, in the order of `rows` before the step."""
+        if (tree := self.device_tree()) is not None:
+            return self.step_on_device(tree)
+        if self.on_device is not None:  # the cache's views as the rows stand
+            self.on_device = None
+            kv.settle(self.cache, [row.length for row in self.rows], [[] for _ in self.rows])
         start_time = time.perf_counter()
         rows, start = list(self.rows), kv.width(self.cache)
         lengths = [row.length for row in rows]
@@ -316,17 +336,37 @@ class Batch:
         seconds = time.perf_counter() - start_time
         events = []
         for b, (row, plan, path, (_, root)) in enumerate(zip(rows, plans, paths, accepted)):
-            new = plan.tokens[path[1:]].tolist() + [root]
-            for i, token in enumerate(new):
-                if token in row.eos_ids:
-                    new, root = new[: i + 1], token
-                    break
+            new = until_eos(plan.tokens[path[1:]].tolist() + [root], row.eos_ids)
             # a batch's step time is shared: only a batch of one times its tree
             row.guard.record(plan.guesses, new, seconds if plan.timed and len(rows) == 1 else None, row.length)
-            row.root, row.length = root, row.length + len(path)
+            row.root, row.length = new[-1], row.length + len(path)
             row.produced += len(new)
             events.append((row, new, plan.tree.num_nodes - 1))
-        for row in rows:
+        return self.done(events)
+
+    def step_on_device(self, tree: Tree) -> list[tuple[Row, list[int], int]]:
+        """Batch.step as one compiled graph on the device and one read of it (compiled.device_graph)."""
+        rows = list(self.rows)
+        with torch.inference_mode():
+            if self.on_device is None or not self.on_device.holds(rows, tree, self.cache):
+                tokens = torch.stack([propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, tree,
+                                              tree if tree.num_nodes > 1 else None, compiled=True, keep=False)[0]
+                                      for row in rows])
+                kv.reserve(self.cache, len(rows), max(row.length for row in rows) + tree.num_nodes)
+                self.on_device = engine.DeviceRows(rows, tree, tokens, self.cache)
+            produced = self.on_device.step(self.model, self.heads, self.lm_head, self.cache, self.layers)
+        events = []
+        for row, new in zip(rows, produced):  # a row that passes its budget or an EOS leaves: its cache is dropped
+            row.length += len(new)
+            new = until_eos(new, row.eos_ids)[: row.config.max_new_tokens - row.produced]
+            row.root, row.produced = new[-1], row.produced + len(new)
+            events.append((row, new, tree.num_nodes - 1))
+        self.on_device.settled()
+        return self.done(events)
+
+    def done(self, events: list[tuple[Row, list[int], int]]) -> list[tuple[Row, list[int], int]]:
+        """The rows done (budget, EOS) leave; `events` as they were."""
+        for row, _, _ in events:
             if row.done:
                 self.leave(row)
         return events
@@ -338,6 +378,11 @@ class Batch:
         self.rows.pop()
         with torch.inference_mode():
             kv.remove(self.cache, index, max((r.length for r in self.rows), default=0))
+
+
+def until_eos(tokens: list[int], eos_ids: frozenset[int]) -> list[int]:
+    """A step's tokens up to (and with) the first EOS token among them."""
+    return next((tokens[: i + 1] for i, token in enumerate(tokens) if token in eos_ids), tokens)
 
 
 def decode(

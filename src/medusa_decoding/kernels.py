@@ -361,6 +361,28 @@ def grouped_sdpa(module, query, key, value, attention_mask, dropout: float = 0.0
 AttentionInterface.register(GROUPED_SDPA, grouped_sdpa)
 AttentionMaskInterface.register(GROUPED_SDPA, sdpa_mask)  # the prefill's causal mask, built as for sdpa
 
+GROUPED_ATTENTION = "grouped_attention"
+
+
+def grouped_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """The compiled engine's attention on a GPU: a step's few queries under a float mask as two matmuls, each group
+    of query heads side by side against its one key/value head, softmax in float32; the cache is read once, not
+    copied per query head (`transformers`' SDPA path repeats every layer's keys and values when a mask is given).
+    The prefill and anything else: grouped_sdpa. query: [B, H, T, D]; key, value: [B, H_kv, S, D] -> [B, T, H, D]."""
+    mask, (batch, heads, queries, dim), kv_heads = attention_mask, query.shape, key.shape[1]
+    step = mask is not None and mask.dtype == query.dtype and mask.dim() == 4 and queries <= MAX_ROWS
+    if not step or dropout or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
+        return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    scale = scaling if scaling is not None else dim ** -0.5
+    grouped = query.reshape(batch, kv_heads, heads // kv_heads * queries, dim)  # a group's heads are adjacent
+    scores = (grouped @ key.transpose(-1, -2)).float().unflatten(2, (heads // kv_heads, queries)) * scale
+    weights = (scores + mask[:, :, None].float()).softmax(-1).to(value.dtype).flatten(2, 3)
+    return (weights @ value).view(batch, heads, queries, dim).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(GROUPED_ATTENTION, grouped_attention)
+AttentionMaskInterface.register(GROUPED_ATTENTION, sdpa_mask)
+
 INVARIANT_ATTENTION = "medusa_attention"
 
 
@@ -445,9 +467,12 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
                     module.__class__, found = Q8Linear, packed
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
-    # measured on a CPU only; models that take no registered attention function keep theirs
-    if cpu_fp32 and model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
-        model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
+    # models that take no registered attention function keep theirs
+    if model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
+        if cpu_fp32:
+            model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
+        elif kernels in COMPILED and lm_head.weight.is_cuda:
+            model.set_attn_implementation(GROUPED_ATTENTION)
     if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, guess_copy(lm_head))
     return model
@@ -462,7 +487,7 @@ def reset_kernels(module: nn.Module) -> nn.Module:
             for name in ("codes", "scales"):
                 linear._buffers.pop(name, None)
     config = getattr(module, "config", None)
-    if getattr(config, "_attn_implementation", None) in (GROUPED_SDPA, INVARIANT_ATTENTION):
+    if getattr(config, "_attn_implementation", None) in (GROUPED_SDPA, INVARIANT_ATTENTION, GROUPED_ATTENTION):
         module.set_attn_implementation("sdpa")
     if hasattr(module, "get_output_embeddings") and hasattr(lm_head := module.get_output_embeddings(), GUESS_COPY):
         delattr(lm_head, GUESS_COPY)
