@@ -42,6 +42,7 @@ SHAPE_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
 SHAPE_SMALL = dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                    num_key_value_heads=8, vocab_size=32000)
 CONTEXT, NEW_TOKENS, TURNS, PROFILED_STEPS = 512, 256, 16, 20
+GENERATE = "generate (static, compiled)"
 SMOL_CANDIDATES = 63  # SmolLM2's tree: the greedy tree of 64 nodes from its heads' calibration
 
 
@@ -91,7 +92,8 @@ def static_generate(model, ids: torch.Tensor, new_tokens: int) -> GenerationOutp
     return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text="", seconds=time.perf_counter() - start)
 
 
-def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns: int, prefix: str, save) -> dict:
+def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns: int, prefix: str, save,
+               generate: bool = True) -> dict:
     """SmolLM2 with its shipped heads in `dtype`: tokens/s and step time of MEDUSA, plain (compiled engine) and
     static-cache generate on the first turns of `questions` (`save`d), then a profile of each engine decoder."""
     heads_dir = shipped_heads()
@@ -101,7 +103,9 @@ def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns:
     decoders = {"medusa": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n)),
                 "plain": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n,
                                                                                     medusa=False)),
-                "generate (static, compiled)": lambda ids, n=NEW_TOKENS: static_generate(medusa.model, ids, n)}
+                GENERATE: lambda ids, n=NEW_TOKENS: static_generate(medusa.model, ids, n)}
+    if not generate:
+        del decoders[GENERATE]
     chosen = read_questions([questions], per_category=max(1, turns // 8))[:turns]
     prompts = [medusa.encode(messages=[{"role": "user", "content": q.turns[0]}]) for q in chosen]
     outputs = {name: [] for name in decoders}
@@ -153,6 +157,7 @@ def main() -> None:
     parser.add_argument("--questions", type=Path, default=PROMPTS, help="prompts (MT-Bench's format) for SmolLM2")
     parser.add_argument("--turns", type=int, default=TURNS, help="prompts decoded end to end")
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="SmolLM2's dtypes")
+    parser.add_argument("--no-generate", action="store_true", help="SmolLM2 without transformers' generate")
     parser.add_argument("--parts", nargs="+", default=["smollm2", "7b"], choices=["smollm2", "7b"])
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,7 +172,8 @@ def main() -> None:
     for part in args.parts:
         if part == "smollm2":
             for dtype in args.dtypes:
-                save(end_to_end(device, getattr(torch, dtype), args.questions, args.turns, args.out, save))
+                save(end_to_end(device, getattr(torch, dtype), args.questions, args.turns, args.out, save,
+                                not args.no_generate))
                 print(smollm2_table(report["smollm2"][dtype]), flush=True)
         else:
             shape = SHAPE_SMALL if args.small else SHAPE_7B
@@ -205,8 +211,8 @@ def smollm2_table(smol: dict) -> str:
     lines += [f"| {name} | {speed:.1f} | {smol['tokens_per_step'][name]:.2f} | {smol['step_ms'][name]:.2f} |"
               for name, speed in smol["tokens_per_s"].items()]
     speed = smol["tokens_per_s"]
-    lines.append(f"MEDUSA: {speed['medusa'] / speed['plain']:.2f}x plain, "
-                 f"{speed['medusa'] / speed['generate (static, compiled)']:.2f}x static compiled generate; step "
+    versus = f", {speed['medusa'] / speed[GENERATE]:.2f}x static compiled generate" if GENERATE in speed else ""
+    lines.append(f"MEDUSA: {speed['medusa'] / speed['plain']:.2f}x plain{versus}; step "
                  f"{smol['step_ms']['medusa'] / smol['step_ms']['plain']:.2f}x plain's")
     lines += [f"profile, {name}: {p['steps']} steps, {p['kernels_per_step']:.0f} kernels, host "
               f"{p['host_ms_per_step']:.2f} ms, device {p['device_ms_per_step']:.2f} ms a step"

@@ -99,12 +99,14 @@ class OracleHeads(torch.nn.Module):
         # hidden: [..., H] (embeds: [..., D, H]) -> logits: [K', ..., V]
         flat = hidden.reshape(-1, hidden.shape[-1]).to(self.reference.dtype)
         positions = torch.cdist(flat, self.reference).argmin(-1)  # [B]
-        logits = self.planted(positions) if self.config.kind == "medusa" else self.on_path(positions, embeds)
+        logits = self.planted(positions)
+        if self.config.kind == "hydra":  # off the true path: noise
+            logits = torch.where(self.on_path(positions, embeds)[..., None], logits, self.noise[positions])
         logits = logits.movedim(1, 0).reshape(self.config.num_heads, *hidden.shape[:-1], -1).to(hidden.dtype)
         return logits[first:num_heads]
 
     def planted(self, positions: torch.Tensor) -> torch.Tensor:
-        """[B] -> [B, K, V] MEDUSA guesses: the true tokens ahead planted in the noise, in tensor ops (a compiled
+        """[B] -> [B, K, V]: the true tokens ahead planted in the noise, in tensor ops (a compiled
         step runs them inside its graph)."""
         ahead = positions[:, None] + torch.arange(2, 2 + self.config.num_heads)  # [B, K]
         token = self.sequence[ahead.clamp(max=len(self.sequence) - 1)]
@@ -116,24 +118,11 @@ class OracleHeads(torch.nn.Module):
                              logits.scatter(2, runner_up[..., None], torch.full_like(planted[..., None], 100.0)), logits)
         return torch.where((ahead < len(self.sequence))[..., None], logits, self.noise[positions])
 
-    @torch.compiler.disable  # Python that reads the device: the compiled engine's proposal graph calls it as it is
     def on_path(self, positions: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:
-        """[B] -> [B, K, V] hydra guesses: the true tokens ahead after the true path only, noise after any other."""
-        paths = embeds.reshape(len(positions), *embeds.shape[-2:])
-        logits = self.noise[positions].clone()  # [B, K, V]; noise is far below the planted values
-        for b, position in enumerate(positions.tolist()):
-            for k in range(self.config.num_heads):
-                ahead = position + k + 2
-                if ahead >= len(self.sequence):
-                    continue
-                token, luck = int(self.sequence[ahead]), float(self.luck[position, k])
-                if not torch.equal(paths[b, : k + 1], self.embedding[self.sequence[position + 1 : ahead]]):
-                    continue  # off the true path: noise
-                if luck < ORACLE_RANK0:
-                    logits[b, k, token] = 100
-                elif luck < ORACLE_RANK1:
-                    logits[b, k, (token + 1) % self.config.vocab_size] = 100
-                    logits[b, k, token] = 50
-                else:
-                    logits[b, k, token] = -100
-        return logits
+        """[B] and the embedded paths [..., D, H] after them -> [B, K]: whether head k reads the true path (its first
+        k + 1 tokens are the sequence's after the position)."""
+        paths = embeds.reshape(len(positions), *embeds.shape[-2:])  # [B, D, H]
+        index = (positions[:, None] + 1 + torch.arange(paths.shape[1])).clamp(max=len(self.sequence) - 1)
+        same = (paths == self.embedding[self.sequence[index]]).all(-1).long().cumprod(1).bool()  # [B, D]
+        heads = self.config.num_heads
+        return torch.cat([same[:, :heads], same.new_zeros(len(positions), max(0, heads - same.shape[1]))], 1)

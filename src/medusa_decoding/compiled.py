@@ -1,21 +1,24 @@
 """The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size.
 
-Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter
-(SmolLM2 on a 2-core EPYC, a whole decoding step at a 512-token context: one token 18.0 ms eagerly against 11.8
-compiled, 4 tokens 26.5 against 19.8); on a GPU it is bound by launching them. `torch.compile` removes them only
-where shapes do not change, so a step here never changes shape with the context: the KV cache has a fixed capacity
-whose every column the step attends (cache.py, `whole`: the mask hides the columns not in use), writes its nodes at
-a column tensor, builds its positions and mask inside the graph from the tree's tensors and the rows' lengths, and
-runs greedy acceptance inside too; the accepted paths move into place with one gather/scatter
-(`cache.gather_paths`), and the heads' proposal (decoding.candidates) is a graph of its own per tree. One graph then
-serves a tree size (and batch size) for every request and context length up to the capacity, and a step reads the
-device once (the accepted paths). The prefill stays eager: it runs once per request, at a length no two requests
-share.
+Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter; on a
+GPU it is bound by launching them and by the host waiting for the device. `torch.compile` removes them only where
+shapes do not change, so a step here never changes shape with the context: the KV cache has a fixed capacity whose
+every column the step attends (cache.py, `whole`: the mask hides the columns not in use), writes its nodes at a
+column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows' lengths.
 
-On a GPU the graphs replay as CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets); inductor
-caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory), so a second
-process compiles faster. Where compiling is unavailable (no C++
-compiler for inductor on a CPU, no Triton on a GPU), kernels.resolve_kernels says so in one line.
+A greedy step under a fixed tree (the common case: `Batch.device_tree`) is one graph that leaves nothing to the
+host (device_graph): verify, accept, move the accepted paths into place, advance the lengths, run the heads on the
+accepted node and write the next step's tree tokens, all in place in buffers that the cache keeps (DeviceRows);
+the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
+CUDA graph (`capture`) and replayed on the same addresses request after request (whole caches are pooled per
+model: `cache_for`). Other steps (sampling, confident trees, `--tree auto`'s guard, heads with a prefix layer) run
+verify_graph with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of
+their own, and read the accepted paths. The prefill stays eager: it runs once per request, at a length no two
+requests share.
+
+Inductor caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory),
+so a second process compiles faster. Where compiling is unavailable (no C++ compiler for inductor on a CPU, no
+Triton on a GPU), kernels.resolve_kernels says so in one line.
 """
 
 import functools
@@ -29,6 +32,7 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .default_model import cache_root
 from .heads import run_backbone
+from .proposal import candidates
 from .tree import on_device, padded
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
@@ -125,15 +129,15 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int,
 MOVED = set()  # the shapes the path mover has run at (commit)
 
 
-def device_graph(model: PreTrainedModel, heads, lm_head, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
-                 columns: torch.Tensor, hidden: torch.Tensor, record: torch.Tensor, depths: torch.Tensor,
-                 parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree_heads: torch.Tensor,
-                 tree_ranks: torch.Tensor, layers: tuple[int, ...], k: int) -> None:
+def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
+                 lengths: torch.Tensor, columns: torch.Tensor, hidden: torch.Tensor, record: torch.Tensor,
+                 depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree,
+                 layers: tuple[int, ...], k: int) -> None:
     """A whole greedy step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
     `lengths` [B] (verify_graph; row b's nodes go to the cache at `columns` [B, T], the index every layer holds),
     accept greedily, move the accepted paths into place (an identity move costs what any other does), advance
     `lengths`, keep the accepted node's heads' input state in `hidden` [B, S], write the next step's tree tokens (the
-    next root, then the heads' guesses at `tree_heads`/`tree_ranks`) into `tokens`, and the step's outcome into
+    next root, then the heads' guesses over `tree`: proposal.candidates) into `tokens`, and the step's outcome into
     `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
     after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
     width = record.shape[1] - 1
@@ -148,23 +152,20 @@ def device_graph(model: PreTrainedModel, heads, lm_head, cache: Cache, tokens: t
     after = torch.arange(width, device=tokens.device) == count[:, None] - 1
     record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
     lengths.add_(count)
-    if heads is None:
-        tokens.copy_(root[:, None])
-    else:  # guesses [D, B, k] -> the tree's candidates [B, N]
-        guesses = heads.guesses(hidden, lm_head, k, width - 1)
-        tokens.copy_(torch.cat([root[:, None], guesses[tree_heads, :, tree_ranks].T], 1))
+    tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, hidden, root, tree, k)[0])
 
 
 DEVICE_STEPS = weakref.WeakKeyDictionary()  # model -> its compiled device step
 
 
 def device_step_graph(model: PreTrainedModel):
-    """`model`'s compiled device step (device_graph): whole (a graph break is an error), guarded as step_graph."""
+    """`model`'s compiled device step (device_graph): whole (a graph break is an error), guarded as step_graph, and
+    on a GPU without inductor's own CUDA graphs: DeviceRows captures the step itself, state and all."""
     if (step := DEVICE_STEPS.get(model)) is None:
         code = device_graph.__code__.replace()
         fresh = types.FunctionType(code, device_graph.__globals__, device_graph.__name__)
         options = compile_settings(model.device.type)
-        options["options"] = {**options.get("options", {}),
+        options["options"] = {**options.get("options", {}), "triton.cudagraphs": False,
                               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
         step = DEVICE_STEPS[model] = torch.compile(fresh, fullgraph=True, **options)
     return step
@@ -180,33 +181,31 @@ def read(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
-class DeviceRows:
-    """A batch's rows as device_graph steps them, in buffers the model keeps for batches of their shape (a CUDA graph
-    replays on the same addresses, request after request): the next tree tokens [B, T], lengths [B], write columns
-    [B, T], heads' input states [B, S] and the last step's record [B, 1 + W]. Built from the rows' own state (root,
-    heads' input, length) whenever they change by other means than `step` (a row joins or leaves, another tree, a
-    step taken elsewhere): `holds` says whether it still stands for them."""
+STATE = ("tokens", "lengths", "columns", "hidden", "record")  # what a device step changes, besides the cache
 
-    def __init__(self, rows: list, tree, tokens: torch.Tensor, cache: Cache):
-        device, size = tokens.device, rows[0].hidden.shape[-1]
-        self.tree, self.rows = tree, rows
-        shape = (len(rows), tree.num_nodes, size, tree.depth + 1)
-        self.buffers = buffers_for(device, shape, rows[0].hidden.dtype, cache)
-        self.buffers["owner"] = self  # another batch of this shape takes them over: this one no longer holds
+
+class DeviceRows:
+    """A batch's rows as device_graph steps them, in buffers that the cache keeps for this tree, heads and batch size
+    (on a GPU the step is one CUDA graph that replays on those very addresses, request after request): the next tree
+    tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S], the last step's record [B, 1 + W]
+    and the tree's tensors. Built from the rows' own state (root, heads' input, length) whenever they change by other
+    means than `step` (a row joins or leaves, another tree, a step taken elsewhere): `holds` says whether it still
+    stands for them."""
+
+    def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache):
+        self.tree, self.rows, self.heads = tree, rows, heads if tree.num_nodes > 1 else None
+        self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].hidden)
+        self.buffers["owner"] = self  # a later DeviceRows of this shape takes them over: this one no longer holds
         self.tokens.copy_(tokens)
         self.hidden.copy_(torch.stack([row.hidden for row in rows]))
-        self.lengths.copy_(torch.tensor([row.length for row in rows], device=device))
-        depths, parents, attention, chains = padded(tree, tree.num_nodes, device)
-        on = on_device(tree, device)
-        self.tree_tensors = (*(t.expand(len(rows), *t.shape).contiguous() for t in (depths, parents, attention, chains)),
-                             on.heads, on.ranks)
-        placed = (torch.arange(len(rows), device=device)[:, None], slice(None), self.columns)
+        self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
+        placed = (self.rows_index, slice(None), self.columns)
         for layer in cache.layers:
             layer.placed = placed
         self.seen = self.now()
 
     def __getattr__(self, name: str) -> torch.Tensor:
-        return self.buffers[name]  # tokens, lengths, columns, hidden, record
+        return self.buffers[name]  # the STATE, the tree's tensors and rows_index
 
     def now(self) -> list[tuple[int, int]]:
         return [(row.root, row.length) for row in self.rows]
@@ -215,12 +214,19 @@ class DeviceRows:
         return (tree is self.tree and rows == self.rows and self.buffers["owner"] is self and self.now() == self.seen
                 and cache.layers[0].placed is not None and cache.layers[0].placed[2] is self.columns)
 
-    def step(self, model: PreTrainedModel, heads, lm_head, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
+    def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
         """One step (device_graph) -> the tokens each row produced; the caller then moves the rows on and `settled`."""
-        plain = self.tree.num_nodes == 1
-        device_step_graph(model)(model, None if plain else heads, lm_head, cache, self.tokens, self.lengths,
-                                 self.columns, self.hidden, self.record, *self.tree_tensors, layers=layers,
-                                 k=max(self.tree.topk_per_head(), 1))
+        def run() -> None:
+            device_step_graph(model)(model, self.heads, lm_head, embed, cache, *(self.buffers[name] for name in STATE),
+                                     *self.tree_tensors, layers=layers, k=max(self.tree.topk_per_head(), 1))
+
+        if self.tokens.is_cuda:
+            where = [layer.key_buffer.data_ptr() for layer in cache.layers[:1]]  # grown buffers: capture anew
+            if self.buffers.get("graph") is None or self.buffers["captured_at"] != where:
+                self.buffers["graph"], self.buffers["captured_at"] = capture(run, [self.buffers[n] for n in STATE]), where
+            self.buffers["graph"].replay()
+        else:
+            run()
         return [row[1: 1 + row[0]] for row in read(self.record)]
 
     def settled(self) -> None:
@@ -231,24 +237,48 @@ class DeviceRows:
         self.seen = self.now()
 
 
-BUFFERS = weakref.WeakKeyDictionary()  # a cache -> {shape: DeviceRows' buffers}
+def capture(run, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
+    """`run` as a CUDA graph. It changes `state` in place, and the cache only past each row's entries (the step's
+    nodes, which the next step writes again): two warm-up runs on a side stream (compiling, tuning), `state` put back
+    after each, then the capture, which runs nothing. Every graph shares one memory pool: they replay one at a time."""
+    saved = [tensor.clone() for tensor in state]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            run()
+            for tensor, value in zip(state, saved):
+                tensor.copy_(value)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=graph_pool(state[0].device)):
+        run()
+    return graph
 
 
-def buffers_for(device: torch.device, shape: tuple[int, int, int, int], dtype: torch.dtype, cache: Cache) -> dict:
-    """DeviceRows' buffers for (rows B, nodes T, state size S, path width W), allocated once per cache."""
+@functools.cache
+def graph_pool(device: torch.device):
+    return torch.cuda.graph_pool_handle()
+
+
+BUFFERS = weakref.WeakKeyDictionary()  # a cache -> {(tree, heads, B, S, dtype): DeviceRows' buffers}
+
+
+def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dict:
+    """DeviceRows' buffers for `rows` rows verifying `tree` with `heads` (None: plain steps), heads' input states
+    like `like` [S], allocated once per cache."""
     pool = BUFFERS.setdefault(cache, {})
-    if (found := pool.get((shape, dtype))) is None:
-        rows, nodes, size, width = shape
-        found = pool[(shape, dtype)] = {
-            "tokens": torch.zeros(rows, nodes, dtype=torch.long, device=device),
-            "lengths": torch.zeros(rows, dtype=torch.long, device=device),
-            "columns": torch.zeros(rows, nodes, dtype=torch.long, device=device),
-            "hidden": torch.zeros(rows, size, dtype=dtype, device=device),
-            "record": torch.zeros(rows, 1 + width, dtype=torch.long, device=device), "owner": None}
-        if device.type == "cuda":
-            for name, tensor in found.items():
-                if tensor is not None:
-                    torch._dynamo.mark_static_address(tensor)
+    key = (tree, heads, rows, like.shape[-1], like.dtype)
+    if (found := pool.get(key)) is None:
+        device, nodes, width = like.device, tree.num_nodes, tree.depth + 1
+        long = {"dtype": torch.long, "device": device}
+        found = pool[key] = {
+            "tokens": torch.zeros(rows, nodes, **long), "lengths": torch.zeros(rows, **long),
+            "columns": torch.zeros(rows, nodes, **long), "record": torch.zeros(rows, 1 + width, **long),
+            "hidden": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
+            "rows_index": torch.arange(rows, device=device)[:, None], "owner": None}
+        found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),
+                                 on_device(tree, device))
     return found
 
 

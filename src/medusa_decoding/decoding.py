@@ -23,6 +23,7 @@ from .config import GenerationConfig
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads, run_backbone
 from .kernels import guess_projection
+from .proposal import candidates
 from .tree import Tree, build, node_index, on_device, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -82,37 +83,18 @@ def propose(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int,
     root_token = torch.tensor([root], device=hidden.device)
     if watched is None:
         return root_token, None
-    args = (heads, lm_head, embed, hidden, root_token, on_device(watched, hidden.device), watched.topk_per_head())
+    args = (heads, lm_head, embed, hidden[None], root_token, on_device(watched, hidden.device), watched.topk_per_head())
     if compiled:  # copies: a CUDA graph's outputs live until its next replay
         tokens, tops = tree_map(torch.clone, engine.graph(candidates, hidden.device.type)(*args))
     else:
         tokens, tops = candidates(*args)
+    tokens, tops = tokens[0], tops[:, 0] if heads.config.kind == "medusa" else [top[0] for top in tops]
     tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths, tokens.device)]
     if heads.config.kind == "medusa" or not keep:
         return tokens, tops if keep else None
     guesses = {(() if node == 0 else watched.paths[node - 1]): top
                for (nodes, _, _), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
     return tokens, guesses
-
-
-def candidates(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, tree: Tree, k: int
-               ) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
-    """The tokens of every node of `tree` [N+1] (root: [1], first) and the heads' top-`k` behind them. MEDUSA heads:
-    one call, [D, k]. Hydra heads, level by level: the children of the nodes at depth d are head d's top-k given
-    each node's path (the root and the candidates after it), one head call per depth; per depth the top-k of each
-    node expanded there ([n_d, k], in the order of tree.levels). Fixed shapes for a tree: the compiled engine runs
-    it as one graph (on a GPU eagerly a level costs about a millisecond of launches, more than its arithmetic)."""
-    if heads.config.kind == "medusa":
-        guesses = heads.guesses(hidden, lm_head, k, tree.depth)
-        return torch.cat([root, guesses[tree.heads, tree.ranks]]), guesses
-    tokens = torch.cat([root, root.new_zeros(tree.num_nodes - 1)])
-    tops = []
-    for depth, (parents, children, rows) in enumerate(tree.levels):
-        paths = tokens[tree.chains[parents, : depth + 1]]  # [n, depth+1]
-        top = heads.guesses(hidden.expand(len(parents), -1), lm_head, k, depth + 1, embed(paths), first=depth)[0]
-        tokens[children] = top[rows, tree.ranks[children - 1]]
-        tops.append(top)
-    return tokens, tops
 
 
 def propose_confident(heads: MedusaHeads, lm_head, embed, hidden: torch.Tensor, root: int, size: int, watched: int
@@ -276,17 +258,17 @@ class Batch:
 
     def device_tree(self) -> Tree | None:
         """The tree of a step that can run whole on the device (compiled.DeviceRows), else None: on the compiled
-        engine, every row greedy under the same fixed tree, of heads that guess once per step (the MEDUSA layout, no
-        prefix layer), positions within the model's context."""
+        engine, every row greedy under the same fixed tree, heads without a prefix layer (which reads each accepted
+        path apart), positions within the model's context."""
         trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in self.rows}
         if not self.compiled or len(trees) != 1:
             return None
         tree, = trees.values()
-        medusa = tree.num_nodes == 1 or (self.heads.config.kind == "medusa" and self.heads.prefix is None)
+        own = tree.num_nodes == 1 or self.heads.prefix is None
         fixed = all(row.config.temperature == 0 and not row.guard.watching and not row.guard.ladder.confident
                     for row in self.rows)
         within = max(row.length for row in self.rows) + tree.depth < context_limit(self.model)
-        return tree if medusa and fixed and within else None
+        return tree if own and fixed and within else None
 
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per
@@ -353,8 +335,8 @@ class Batch:
                                               tree if tree.num_nodes > 1 else None, compiled=True, keep=False)[0]
                                       for row in rows])
                 kv.reserve(self.cache, len(rows), max(row.length for row in rows) + tree.num_nodes)
-                self.on_device = engine.DeviceRows(rows, tree, tokens, self.cache)
-            produced = self.on_device.step(self.model, self.heads, self.lm_head, self.cache, self.layers)
+                self.on_device = engine.DeviceRows(rows, tree, self.heads, tokens, self.cache)
+            produced = self.on_device.step(self.model, self.lm_head, self.embed, self.cache, self.layers)
         events = []
         for row, new in zip(rows, produced):  # a row that passes its budget or an EOS leaves: its cache is dropped
             row.length += len(new)

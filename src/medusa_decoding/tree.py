@@ -45,7 +45,7 @@ class Tree:
 
     @property
     def depth(self) -> int:
-        return max((len(p) for p in self.paths), default=0)
+        return self.chains.shape[1] - 1  # from a shape, not the paths: compiled graphs read it without a break
 
     def topk_per_head(self) -> int:
         return max((p[-1] for p in self.paths), default=-1) + 1
