@@ -147,7 +147,8 @@ def test_step_graph_settings_are_valid_on_every_device(device_type):
     class Model:
         device = torch.device(device_type)
 
-    assert callable(compiled.step_graph(Model()))
+    assert callable(compiled.model_graph(compiled.verify_graph, Model()))
+    assert callable(compiled.model_graph(compiled.device_graph, Model(), **{"triton.cudagraphs": False}))
     assert callable(compiled.graph(kv.gather_paths, device_type))
 
 

@@ -4,6 +4,7 @@ Most tests run tiny random models of each family behind SmolLM2's real tokenizer
 tokens, partial UTF-8 characters included); the rest use the embedded default (`smollm`).
 """
 
+import random
 import threading
 
 import pytest
@@ -256,3 +257,23 @@ def test_save_and_load_restore_heads_and_tree(tmp_path, smollm):
     expected = saved.heads.state_dict()
     assert all(torch.equal(value, expected[name]) for name, value in loaded.heads.state_dict().items())
     assert loaded.generate(PROMPT, max_new_tokens=8).token_ids == saved.generate(PROMPT, max_new_tokens=8).token_ids
+
+
+def test_an_answer_decoded_piece_by_piece_is_the_whole_decode(smollm):
+    """Answer (incremental decoding) on the embedded tokenizer: after every step its text is a prefix of the whole
+    answer's decoding and never ends inside a character, and once all tokens are in it is the whole decoding; the
+    tokens split at random places, emoji and accents split across tokens."""
+    from medusa_decoding.model import Answer
+
+    text = "Voilà: 🤖 paints ☕ at 10:30 — naïve, déjà vu. 你好，世界！\n  def f(x):\n\treturn x ** 2"
+    tokens = smollm.tokenizer.encode(text, add_special_tokens=False)
+    whole = smollm.decode(tokens)
+    cuts = random.Random(0)
+    for _ in range(5):
+        answer, at = Answer(smollm.decode), 0
+        while at < len(tokens):
+            step = tokens[at : at + cuts.randint(1, 4)]
+            at += len(step)
+            so_far = answer.add(step)
+            assert whole.startswith(so_far) and not so_far.endswith("\ufffd")
+        assert so_far == whole

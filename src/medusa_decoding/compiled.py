@@ -74,30 +74,31 @@ def compile_settings(device_type: str) -> dict:
     return {"dynamic": False, "options": {"size_asserts": False}}
 
 
-STEPS = weakref.WeakKeyDictionary()  # model -> its compiled verification step
+STEPS = weakref.WeakKeyDictionary()  # model -> {step function: its compiled copy for that model}
 
 
-def step_graph(model: PreTrainedModel):
-    """`model`'s compiled verification step: verify_graph compiled for it alone, without guards on its modules.
-    Dynamo would otherwise re-check some 7000 attributes of the model's modules before every step (1.4 ms of a 9 ms
-    SmolLM2 step on a 2-core EPYC), for changes the engine never makes once use_kernels has run; the inputs' shapes
-    stay guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model
-    gets a copy of verify_graph's code: no model ever runs a graph traced through another's modules."""
-    if (step := STEPS.get(model)) is None:
-        code = verify_graph.__code__.replace()  # an equal, distinct code object
-        fresh = types.FunctionType(code, verify_graph.__globals__, verify_graph.__name__)
-        options = compile_settings(model.device.type)
-        options["options"] = {**options.get("options", {}),
-                              "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        step = STEPS[model] = torch.compile(fresh, **options)
+def model_graph(function, model: PreTrainedModel, **options):
+    """`function` (verify_graph, device_graph) compiled for `model` alone, without guards on its modules. Dynamo
+    would otherwise re-check some 7000 attributes of the model's modules before every step (1.4 ms of a 9 ms SmolLM2
+    step on a 2-core EPYC), for changes the engine never makes once use_kernels has run; the inputs' shapes stay
+    guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model gets a
+    copy of the function's code: no model ever runs a graph traced through another's modules. options: inductor's,
+    over compile_settings'."""
+    steps = STEPS.setdefault(model, {})
+    if (step := steps.get(function)) is None:
+        fresh = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
+        settings = compile_settings(model.device.type)
+        settings["options"] = {**settings.get("options", {}), **options,
+                               "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        step = steps[function] = torch.compile(fresh, fullgraph=function is device_graph, **settings)
     return step
 
 
 @functools.cache
 def graph(function, device_type: str):
     """`function` compiled for a device type, one graph per shape of its inputs (and per module it runs): the path
-    mover (cache.gather_paths, one graph per cache shape) and the heads' proposal (decoding.candidates, one per heads
-    and tree). Their modules stay guarded: a few, unlike the model's thousands (step_graph)."""
+    mover (cache.gather_paths, one graph per cache shape) and the heads' proposal (proposal.candidates, one per heads
+    and tree). Their modules stay guarded: a few, unlike the model's thousands (model_graph)."""
     return torch.compile(function, **compile_settings(device_type))
 
 
@@ -107,7 +108,7 @@ def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: 
     """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
     -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H], each row's greedy (accepted path, next token))."""
     depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
-    logits, hidden, greedy = step_graph(model)(model, cache, tokens, lengths, depths, parents, attention, chains,
+    logits, hidden, greedy = model_graph(verify_graph, model)(model, cache, tokens, lengths, depths, parents, attention, chains,
                                                layers)
     return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
 
@@ -153,22 +154,6 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
     lengths.add_(count)
     tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, hidden, root, tree, k)[0])
-
-
-DEVICE_STEPS = weakref.WeakKeyDictionary()  # model -> its compiled device step
-
-
-def device_step_graph(model: PreTrainedModel):
-    """`model`'s compiled device step (device_graph): whole (a graph break is an error), guarded as step_graph, and
-    on a GPU without inductor's own CUDA graphs: DeviceRows captures the step itself, state and all."""
-    if (step := DEVICE_STEPS.get(model)) is None:
-        code = device_graph.__code__.replace()
-        fresh = types.FunctionType(code, device_graph.__globals__, device_graph.__name__)
-        options = compile_settings(model.device.type)
-        options["options"] = {**options.get("options", {}), "triton.cudagraphs": False,
-                              "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        step = DEVICE_STEPS[model] = torch.compile(fresh, fullgraph=True, **options)
-    return step
 
 
 host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a greedy step to one
@@ -217,8 +202,10 @@ class DeviceRows:
     def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
         """One step (device_graph) -> the tokens each row produced; the caller then moves the rows on and `settled`."""
         def run() -> None:
-            device_step_graph(model)(model, self.heads, lm_head, embed, cache, *(self.buffers[name] for name in STATE),
-                                     *self.tree_tensors, layers=layers, k=max(self.tree.topk_per_head(), 1))
+            # compiled whole (a graph break is an error); on a GPU captured here, not by inductor
+            model_graph(device_graph, model, **{"triton.cudagraphs": False})(
+                model, self.heads, lm_head, embed, cache, *(self.buffers[name] for name in STATE), *self.tree_tensors,
+                layers=layers, k=max(self.tree.topk_per_head(), 1))
 
         if self.tokens.is_cuda:
             where = [layer.key_buffer.data_ptr() for layer in cache.layers[:1]]  # grown buffers: capture anew

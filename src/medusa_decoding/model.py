@@ -334,7 +334,7 @@ class Running:
 
     def __init__(self, medusa: MedusaModel):
         self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads, medusa.compiled)
-        self.requests: dict[Row, tuple[object, GenerationConfig, list[int]]] = {}  # row -> (key, config, tokens)
+        self.requests: dict[Row, tuple[object, GenerationConfig, Answer]] = {}  # row -> (key, config, answer)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -344,7 +344,7 @@ class Running:
         """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
         model = model or self.medusa
         row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config))
-        self.requests[row] = (key, config, [])
+        self.requests[row] = (key, config, Answer(self.medusa.decode))
         return [self.advance(row, [row.root], 0)]
 
     def step(self) -> list[tuple[object, Step]]:
@@ -357,10 +357,9 @@ class Running:
         self.finish(row)
 
     def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step]:
-        key, config, generated = self.requests[row]
-        start = len(generated)
-        generated += new
-        text = self.medusa.decode(generated)
+        key, config, answer = self.requests[row]
+        start, generated = len(answer.tokens), answer.tokens
+        text = answer.add(new)
         stop_at = first_stop(text, config.stop)
         if stop_at is not None:  # keep the tokens up to the one that completes the stop string
             end = next(n for n in range(start + 1, len(generated) + 1)
@@ -370,6 +369,7 @@ class Running:
         done = stop_at is not None or row.done
         if done:
             self.finish(row)
+            text = text if stop_at is not None else self.medusa.decode(generated)  # the whole answer, once
         return key, Step(new, text, tree_size, done)
 
     def finish(self, row: Row) -> None:
@@ -394,6 +394,26 @@ def record(out: GenerationOutput, step: Step) -> None:
     out.accept_lengths.append(len(step.tokens))
     out.tree_sizes.append(step.tree_size)
     out.text = step.text
+
+
+class Answer:
+    """An answer's tokens and its text as they come: each step decodes only its last few tokens after a window of
+    earlier ones (vLLM's incremental detokenizing; decoding the whole answer at every step grows with it), and holds
+    back a piece that ends inside a character until the tokens that complete it arrive."""
+
+    def __init__(self, decode):
+        self.decode, self.tokens, self.text = decode, [], ""
+        self.window = self.read = 0  # tokens[window:read] decode to the end of `text`; tokens[read:] are not in it
+
+    def add(self, new: list[int]) -> str:
+        """Appends `new` -> the text so far."""
+        self.tokens += new
+        before = self.decode(self.tokens[self.window : self.read])
+        after = self.decode(self.tokens[self.window :])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before) :]
+            self.window, self.read = self.read, len(self.tokens)
+        return self.text
 
 
 class TextPieces:
