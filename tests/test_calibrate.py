@@ -302,7 +302,8 @@ def test_step_latency_is_one_positive_time_per_tree(oracle, monkeypatch):
     trees = [build(())] + [build(tuple(paths[:n])) for n in (1, 3, 6)]
     contexts, latencies = measure_step_latency(medusa, trees, CalibrateConfig(latency_contexts=(32, 2000, 8),
                                                                               latency_repeats=3))
-    assert contexts == [8, 32, 1024 - 9]  # increasing, cut to the context the largest tree and a step after leave
+    # increasing, cut to the context that the largest tree (7 nodes, depth 2) and two steps after it leave
+    assert contexts == [8, 32, 1024 - (7 + 2 * (2 + 1) + 2)]
     assert len(latencies) == 3 and all(len(row) == 4 and min(row) > 0 for row in latencies)
     chosen = []  # confident trees' steps are timed as they decode: choosing their nodes included
     monkeypatch.setattr(decoding, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
@@ -328,7 +329,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6
-    assert record["contexts"] == [128, 512, 1024 - 8] and [len(row) for row in record["latency_s"]] == [6] * 3
+    # the longest context leaves room for the largest tree (6 nodes, depth 1) and two steps after it
+    assert record["contexts"] == [128, 512, 1024 - (6 + 2 * (1 + 1) + 2)] and [len(row) for row in record["latency_s"]] == [6] * 3
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
     for simulated in (record["simulated_tokens"], record["confident_tokens"]):  # random heads: rarely right
         assert len(simulated) == 6 and simulated[0] == 1 and all(1 <= n < 2 for n in simulated)

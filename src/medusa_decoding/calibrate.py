@@ -289,8 +289,14 @@ def measure_yields(medusa, conversations: list[list[dict]], paths: list[Node], s
 def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[int]:
     """config.latency_contexts, each cut to what the model's context leaves room for beside the largest tree and
     the step after it (a budget that no step of it exhausts: measure_step_latency)."""
-    room = context_limit(medusa.model) - max(t.num_nodes for t in trees) - 2
+    room = context_limit(medusa.model) - step_budget(trees)
     return sorted({max(1, min(context, room)) for context in config.latency_contexts})
+
+
+def step_budget(trees: list[Tree]) -> int:
+    """New tokens that no two steps of any of `trees` exhaust, nor cut the next step's tree short (time_steps takes
+    two steps a timing on the compiled engine)."""
+    return max(t.num_nodes for t in trees) + 2 * max(t.depth for t in trees) + 4
 
 
 def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS, confident: bool = False
@@ -304,7 +310,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     """
     model, heads, device = medusa.model, medusa.heads, medusa.model.device
     contexts = latency_contexts(medusa, trees, config)
-    budget = GenerationConfig(max_new_tokens=2 * max(t.num_nodes for t in trees) + 2)  # no row done in two steps
+    budget = GenerationConfig(max_new_tokens=step_budget(trees))
     table = []
     for prefix_len in contexts:
         prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))

@@ -205,8 +205,12 @@ class MedusaModel:
         """A few tokens with every tree the guard may pick and plainly, off the clock: the compiled engine compiles
         each tree size on its first step (and kernels load on their first call)."""
         config = replace(config or GenerationConfig(), max_new_tokens=max_new_tokens)
+        guarded = len(self.trees.trees) > 1 or self.trees.confident  # steps the guard picks run on the host path
         for tree in self.trees.trees:
-            self.with_heads(self.heads, tree).generate(prompt, config=config)
+            view = self.with_heads(self.heads, tree)
+            view.generate(prompt, config=config)  # greedy under a fixed tree: the device step (compiled.py)
+            if guarded and self.compiled:  # a sampled step takes the guard's path: verify_graph and the proposal
+                view.generate(prompt, config=replace(config, temperature=1.0, seed=0))
         self.generate(prompt, config=replace(config, medusa=False))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
