@@ -14,9 +14,9 @@ from medusa_decoding import decoding
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, decode
-from medusa_decoding.guard import (EXPLORE_EVERY, OPENING, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder,
+from medusa_decoding.guard import (EXPLORE_EVERY, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder,
                                    batch_yields, yields)
-from medusa_decoding.tree import Tree, build
+from medusa_decoding.tree import build
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
 NEW_TOKENS = 96
