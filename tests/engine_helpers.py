@@ -114,8 +114,8 @@ class OracleHeads(torch.nn.Module):
         planted = torch.where(luck < ORACLE_RANK0, 100.0, torch.where(luck < ORACLE_RANK1, 50.0, -100.0))
         logits = self.noise[positions].scatter(2, token[..., None], planted[..., None])
         runner_up = (token + 1) % self.config.vocab_size  # rank 0 where the true token is at rank 1
-        logits = torch.where(((luck < ORACLE_RANK1) & (luck >= ORACLE_RANK0))[..., None],
-                             logits.scatter(2, runner_up[..., None], torch.full_like(planted[..., None], 100.0)), logits)
+        swapped = logits.scatter(2, runner_up[..., None], torch.full_like(planted[..., None], 100.0))
+        logits = torch.where(((luck < ORACLE_RANK1) & (luck >= ORACLE_RANK0))[..., None], swapped, logits)
         return torch.where((ahead < len(self.sequence))[..., None], logits, self.noise[positions])
 
     def on_path(self, positions: torch.Tensor, embeds: torch.Tensor) -> torch.Tensor:

@@ -330,7 +330,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6
     # the longest context leaves room for the largest tree (6 nodes, depth 1) and two steps after it
-    assert record["contexts"] == [128, 512, 1024 - (6 + 2 * (1 + 1) + 2)] and [len(row) for row in record["latency_s"]] == [6] * 3
+    assert record["contexts"] == [128, 512, 1024 - (6 + 2 * (1 + 1) + 2)]
+    assert [len(row) for row in record["latency_s"]] == [6] * 3
     assert record["sizes"] == [0, 1, 2, 3, 4, 5]
     for simulated in (record["simulated_tokens"], record["confident_tokens"]):  # random heads: rarely right
         assert len(simulated) == 6 and simulated[0] == 1 and all(1 <= n < 2 for n in simulated)

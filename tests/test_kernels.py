@@ -21,10 +21,10 @@ from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import decode, prefill, verify
 from medusa_decoding.decoding import PLAIN
-from medusa_decoding.kernels import (GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS, BlockRows, Int8Linear,
-                                     NativeLinear, Q8Linear, block_codes, compile_error, guess_projection, load_native,
-                                     native_build, q8_pack, q8_paths, reads_blocks, resolve_kernels, set_guess_vocab,
-                                     stock_kernels, use_kernels)
+from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
+                                     BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
+                                     guess_projection, load_native, native_build, q8_pack, q8_paths, reads_blocks,
+                                     resolve_kernels, set_guess_vocab, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -160,7 +160,8 @@ def test_stock_kernels_runs_stock_inside_and_native_after():
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])  # 4 query heads sharing 2 key/value heads
-def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, monkeypatch):
+@pytest.mark.parametrize("attention", [GROUPED_SDPA, GROUPED_ATTENTION])  # the second: the compiled engine's on a GPU
+def test_grouped_attention_verifies_a_tree_as_sdpa_does_without_copying_keys(family, attention, monkeypatch):
     model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3  # root + candidates
     fallbacks, transformers_sdpa = [], kernels.sdpa_attention_forward
@@ -177,8 +178,8 @@ def test_grouped_sdpa_verifies_a_tree_as_sdpa_does_without_copying_keys(family, 
             cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
             return verify(model, cache, tokens, tree, len(PROMPT))[0]
 
-    grouped = tree_logits(GROUPED_SDPA)
-    assert tree.num_nodes not in fallbacks  # the tree pass took SDPA's grouped path, every layer
+    grouped = tree_logits(attention)
+    assert tree.num_nodes not in fallbacks  # the tree pass took the grouped path, every layer
     torch.testing.assert_close(grouped, tree_logits("sdpa"), rtol=1e-5, atol=1e-5)
 
 

@@ -108,8 +108,8 @@ def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: 
     """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
     -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H], each row's greedy (accepted path, next token))."""
     depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
-    logits, hidden, greedy = model_graph(verify_graph, model)(model, cache, tokens, lengths, depths, parents, attention, chains,
-                                               layers)
+    step = model_graph(verify_graph, model)
+    logits, hidden, greedy = step(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
     return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
 
 
@@ -210,7 +210,8 @@ class DeviceRows:
         if self.tokens.is_cuda:
             where = [layer.key_buffer.data_ptr() for layer in cache.layers[:1]]  # grown buffers: capture anew
             if self.buffers.get("graph") is None or self.buffers["captured_at"] != where:
-                self.buffers["graph"], self.buffers["captured_at"] = capture(run, [self.buffers[n] for n in STATE]), where
+                self.buffers["graph"] = capture(run, [self.buffers[name] for name in STATE])
+                self.buffers["captured_at"] = where
             self.buffers["graph"].replay()
         else:
             run()
