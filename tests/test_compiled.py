@@ -13,7 +13,7 @@ from medusa_decoding import cache as kv
 from medusa_decoding import compiled
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, decode, prefill, propose, verify
+from medusa_decoding.decoding import PLAIN, Batch, Row, decode, prefill, propose, verify
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.tree import Tree, padded
@@ -148,7 +148,7 @@ def test_step_graph_settings_are_valid_on_every_device(device_type):
         device = torch.device(device_type)
 
     assert callable(compiled.model_graph(compiled.verify_graph, Model()))
-    assert callable(compiled.model_graph(compiled.device_graph, Model(), **{"triton.cudagraphs": False}))
+    assert callable(compiled.model_graph(compiled.device_graph, Model(), True, **{"triton.cudagraphs": False}))
     assert callable(compiled.graph(kv.gather_paths, device_type))
 
 
@@ -177,7 +177,7 @@ def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compi
     heads, tree = random_heads(model), Tree.from_spec(spec) if spec else PLAIN
     config = GenerationConfig(max_new_tokens=16)
 
-    def request(prompt: torch.Tensor, each_step=lambda: None) -> list[int]:
+    def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)
         row = batch.join(prompt, config, tree)
         with torch.inference_mode():

@@ -340,7 +340,7 @@ def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=
         for tree, timed in zip(trees, times):
             for row in batch.rows:
                 row.guard = Guard(Ladder.fixed(tree, confident), row.root)
-            if batch.compiled:  # a step that builds the rows' device state (compiled.DeviceRows): the next one is timed
+            if batch.device_tree() is not None:  # a step that builds the rows' device state: the next one is timed
                 batch.step()
             synchronize(device)
             start = time.perf_counter()

@@ -77,20 +77,20 @@ def compile_settings(device_type: str) -> dict:
 STEPS = weakref.WeakKeyDictionary()  # model -> {step function: its compiled copy for that model}
 
 
-def model_graph(function, model: PreTrainedModel, **options):
+def model_graph(function, model: PreTrainedModel, fullgraph: bool = False, **options):
     """`function` (verify_graph, device_graph) compiled for `model` alone, without guards on its modules. Dynamo
     would otherwise re-check some 7000 attributes of the model's modules before every step (1.4 ms of a 9 ms SmolLM2
     step on a 2-core EPYC), for changes the engine never makes once use_kernels has run; the inputs' shapes stay
     guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model gets a
-    copy of the function's code: no model ever runs a graph traced through another's modules. options: inductor's,
-    over compile_settings'."""
+    copy of the function's code: no model ever runs a graph traced through another's modules. fullgraph: a graph
+    break is an error; options: inductor's, over compile_settings'."""
     steps = STEPS.setdefault(model, {})
     if (step := steps.get(function)) is None:
         fresh = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
         settings = compile_settings(model.device.type)
         settings["options"] = {**settings.get("options", {}), **options,
                                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        step = steps[function] = torch.compile(fresh, fullgraph=function is device_graph, **settings)
+        step = steps[function] = torch.compile(fresh, fullgraph=fullgraph, **settings)
     return step
 
 
@@ -171,47 +171,46 @@ STATE = ("tokens", "lengths", "columns", "hidden", "record")  # what a device st
 
 class DeviceRows:
     """A batch's rows as device_graph steps them, in buffers that the cache keeps for this tree, heads and batch size
-    (on a GPU the step is one CUDA graph that replays on those very addresses, request after request): the next tree
-    tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S], the last step's record [B, 1 + W]
-    and the tree's tensors. Built from the rows' own state (root, heads' input, length) whenever they change by other
-    means than `step` (a row joins or leaves, another tree, a step taken elsewhere): `holds` says whether it still
-    stands for them."""
+    (on a GPU the step is one CUDA graph that replays on those very addresses, request after request): the STATE (the
+    next tree tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S], the last step's record
+    [B, 1 + W]) and the tree's tensors. Built from the rows' own state (root, heads' input, length) whenever they
+    change by other means than `step` (a row joins or leaves, another tree, a step taken elsewhere): `holds` says
+    whether it still stands for them."""
 
     def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache):
+        """tokens [B, T]: each row's tree tokens for its next step (decoding.propose)."""
         self.tree, self.rows, self.heads = tree, rows, heads if tree.num_nodes > 1 else None
         self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].hidden)
-        self.buffers["owner"] = self  # a later DeviceRows of this shape takes them over: this one no longer holds
+        self.state = [self.buffers[name] for name in STATE]
+        self.tokens, self.lengths, self.columns, self.hidden, self.record = self.state
         self.tokens.copy_(tokens)
         self.hidden.copy_(torch.stack([row.hidden for row in rows]))
         self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
-        placed = (self.rows_index, slice(None), self.columns)
+        placed = (self.buffers["rows_index"], slice(None), self.columns)
         for layer in cache.layers:
             layer.placed = placed
         self.seen = self.now()
-
-    def __getattr__(self, name: str) -> torch.Tensor:
-        return self.buffers[name]  # the STATE, the tree's tensors and rows_index
 
     def now(self) -> list[tuple[int, int]]:
         return [(row.root, row.length) for row in self.rows]
 
     def holds(self, rows: list, tree, cache: Cache) -> bool:
-        return (tree is self.tree and rows == self.rows and self.buffers["owner"] is self and self.now() == self.seen
+        """Whether these rows stand as the last step left them, and the cache still writes at this state's columns
+        (a step on the host path places its own)."""
+        return (tree is self.tree and rows == self.rows and self.now() == self.seen
                 and cache.layers[0].placed is not None and cache.layers[0].placed[2] is self.columns)
 
     def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
         """One step (device_graph) -> the tokens each row produced; the caller then moves the rows on and `settled`."""
-        def run() -> None:
-            # compiled whole (a graph break is an error); on a GPU captured here, not by inductor
-            model_graph(device_graph, model, **{"triton.cudagraphs": False})(
-                model, self.heads, lm_head, embed, cache, *(self.buffers[name] for name in STATE), *self.tree_tensors,
-                layers=layers, k=max(self.tree.topk_per_head(), 1))
+        def run() -> None:  # on a GPU captured here, not by inductor
+            model_graph(device_graph, model, fullgraph=True, **{"triton.cudagraphs": False})(
+                model, self.heads, lm_head, embed, cache, *self.state, *self.buffers["tree_tensors"], layers=layers,
+                k=self.tree.topk_per_head())
 
         if self.tokens.is_cuda:
-            where = [layer.key_buffer.data_ptr() for layer in cache.layers[:1]]  # grown buffers: capture anew
-            if self.buffers.get("graph") is None or self.buffers["captured_at"] != where:
-                self.buffers["graph"] = capture(run, [self.buffers[name] for name in STATE])
-                self.buffers["captured_at"] = where
+            where = cache.layers[0].key_buffer.data_ptr()  # buffers grown since (kv.reserve): capture anew
+            if self.buffers.get("captured_at") != where:
+                self.buffers["graph"], self.buffers["captured_at"] = capture(run, self.state), where
             self.buffers["graph"].replay()
         else:
             run()
@@ -264,7 +263,7 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dic
             "tokens": torch.zeros(rows, nodes, **long), "lengths": torch.zeros(rows, **long),
             "columns": torch.zeros(rows, nodes, **long), "record": torch.zeros(rows, 1 + width, **long),
             "hidden": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
-            "rows_index": torch.arange(rows, device=device)[:, None], "owner": None}
+            "rows_index": torch.arange(rows, device=device)[:, None]}
         found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),
                                  on_device(tree, device))
     return found

@@ -331,10 +331,10 @@ class Batch:
         rows = list(self.rows)
         with torch.inference_mode():
             if self.on_device is None or not self.on_device.holds(rows, tree, self.cache):
+                # each row's first tree through the proposal graph of one row: one graph whatever the batch size
                 tokens = torch.stack([propose(self.heads, self.lm_head, self.embed, row.hidden, row.root, tree,
                                               tree if tree.num_nodes > 1 else None, compiled=True, keep=False)[0]
                                       for row in rows])
-                kv.reserve(self.cache, len(rows), max(row.length for row in rows) + tree.num_nodes)
                 self.on_device = engine.DeviceRows(rows, tree, self.heads, tokens, self.cache)
             produced = self.on_device.step(self.model, self.lm_head, self.embed, self.cache, self.layers)
         events = []
