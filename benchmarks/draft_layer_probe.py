@@ -32,9 +32,10 @@ from tqdm.auto import tqdm
 from medusa_decoding.calibrate import device_name
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
-from medusa_decoding.model import load_base
+from medusa_decoding.base import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
-from medusa_decoding.training.train import future_labels, prefix_shape, with_prefix
+from medusa_decoding.training.positions import future_labels
+from medusa_decoding.training.train import prefix_shape, with_prefix
 
 WARMUP = 20
 # key: (name, with the layer, teacher's distribution as target, the layer's lr scale, every n-th conversation)

@@ -25,9 +25,9 @@ from tqdm.auto import tqdm
 
 from medusa_decoding.default_model import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
-from medusa_decoding.model import load_base
+from medusa_decoding.base import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
-from medusa_decoding.training.train import at_answers
+from medusa_decoding.training.positions import at_answers
 
 BATCH = 256
 

@@ -9,7 +9,7 @@ import argparse
 import json
 from pathlib import Path
 
-from medusa_decoding.model import load_base
+from medusa_decoding.base import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations, split
 from medusa_decoding.training.train import last_checkpoint
 

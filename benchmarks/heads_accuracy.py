@@ -19,7 +19,7 @@ SIZES = (1, 3, 8, 64)  # candidates of the trees whose tokens per step are predi
 
 def measure(heads: str, conversations: list, config: CalibrateConfig) -> dict:
     medusa = MedusaModel.from_pretrained(heads=heads, tree=None)
-    set_guess_vocab(medusa.model, calibrate.answer_vocab(medusa, conversations, config))
+    set_guess_vocab(medusa.model, calibrate.guess_vocab(medusa, conversations, config))
     accuracy = calibrate.measure_accuracy(medusa, conversations, config)
     tokens = {n: 1 + calibrate.expected_acceptance(calibrate.grow_tree(accuracy, n)[0], accuracy) for n in SIZES}
     return {"heads": heads, "top1": accuracy[:, 0].tolist(), "accuracy": accuracy.tolist(), "tokens_per_step": tokens}

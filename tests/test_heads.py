@@ -10,7 +10,8 @@ from conftest import FAMILIES, HIDDEN, VOCAB, tiny_model
 
 from medusa_decoding import MedusaModel
 from medusa_decoding.config import HeadsConfig, PrefixConfig
-from medusa_decoding.heads import CONFIG_NAME, WEIGHTS_NAME, MedusaHeads, prefix_state, run_backbone
+from medusa_decoding.formats import CONFIG_NAME, WEIGHTS_NAME
+from medusa_decoding.heads import MedusaHeads, prefix_state, run_backbone
 from medusa_decoding.tree import Tree
 
 CONFIG = HeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, num_layers=2, base_model="tiny")

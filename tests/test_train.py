@@ -17,8 +17,9 @@ from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads, prefix_state, run_backbone
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
 from medusa_decoding.training import train as train_module
+from medusa_decoding.training.positions import at_answers, future_labels
 from medusa_decoding.training.train import (
-    AnswerStates, MedusaTrainingModel, at_answers, future_labels, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
+    AnswerStates, MedusaTrainingModel, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
     prepare_backbone, train,
 )
 

@@ -31,11 +31,13 @@ from .decoding import Batch, context_limit, propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
 from .kernels import block_codes, code_digest, guess_projection, reads_blocks, reset_kernels, set_guess_vocab
-from .model import TREE_NAME
+from .formats import CALIBRATION_NAME, TREE_NAME
+from .training import positions
+from .training import data
+from .training.data import IGNORE_INDEX, build_examples
 from .tree import Tree, build
 
 Node = tuple[int, ...]  # a tree node's path: the rank taken in each head's top-k, root excluded
-ACCURACY_NAME = "accuracy.json"
 PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_per_s.png", "yields": "yields.png"}
 DEFAULTS = CalibrateConfig()
 HEADS_CHUNK = 256  # positions per heads call: K x 256 x V logits stay ~200 MB for a 50k vocabulary
@@ -195,14 +197,11 @@ def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateC
     them: (the heads' input state [n, S] (heads.run_backbone, heads.prefix_state) at each position t where some head
     has a target, targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens
     after t [n, K, H] (else None), roots [n]: token t+1)."""
-    from .training import train
-    from .training.data import build_examples
-
     model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
     examples = build_examples(tokenizer, conversations, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    for state, targets, path in train.answer_positions(model, heads, examples, pad_id, config.batch_size):
-        yield state, targets, train.path_embeddings(heads.config, model.get_input_embeddings(), path), path[:, 0]
+    for state, targets, path in positions.answer_positions(model, heads, examples, pad_id, config.batch_size):
+        yield state, targets, positions.path_embeddings(heads.config, model.get_input_embeddings(), path), path[:, 0]
 
 
 def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor:
@@ -214,8 +213,6 @@ def measure_accuracy(medusa, conversations: list[list[dict]], config: CalibrateC
     head-0 target.
     """
     from tqdm.auto import tqdm
-
-    from .training.data import IGNORE_INDEX
 
     heads = medusa.heads
     num_heads, ranks = heads.config.num_heads, min(config.top_k, heads.config.vocab_size)
@@ -250,8 +247,6 @@ def measure_yields(medusa, conversations: list[list[dict]], paths: list[Node], s
     accuracies, which assumes the heads right or wrong independently, measured; and for confident trees, whose
     nodes change every step, the only prediction there is."""
     from tqdm.auto import tqdm
-
-    from .training.data import IGNORE_INDEX, build_examples
 
     heads, largest = medusa.heads, build(tuple(paths[: sizes[-1]]))
     lm_head, embed = guess_projection(medusa.model), medusa.model.get_input_embeddings()
@@ -382,13 +377,12 @@ ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled"
                        ("compiled", False): "native", ("compiled-q8", False): "q8"}
 
 
-def choose_kernels(model, tokenizer, heads, config: CalibrateConfig = DEFAULTS) -> str:
+def choose_kernels(model, heads, medusa_on, config: CalibrateConfig = DEFAULTS) -> str:
     """kernels="auto" on a CPU in float32: of stock, native and (where the weights are GGUF blocks) q8, the kernels
     whose plain step and 3-candidate step take least time together on this machine, timed side by side on `model`
     itself (switched in turn, then back to stock), once per setup: cached under cache_root()/kernels, keyed like the
-    tree fits. Never slower than stock, which is one of those timed. Says what it picked, and why, in one line."""
-    from .model import MedusaModel
-
+    tree fits. Never slower than stock, which is one of those timed. Says what it picked, and why, in one line.
+    medusa_on(kernels): the MedusaModel of `model` and `heads` on those kernels."""
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
     candidates = ["stock", "native"] + (["q8"] if block_codes(linear.weight) is not None else [])
     what = [device_name(model.device), str(model.dtype), model.name_or_path, model.config.to_diff_dict(),
@@ -401,7 +395,7 @@ def choose_kernels(model, tokenizer, heads, config: CalibrateConfig = DEFAULTS) 
     once = replace(config, latency_contexts=(config.latency_contexts[0],), latency_repeats=3)
     seconds = {}
     for name in candidates:
-        medusa = MedusaModel(model, tokenizer, heads, trees[1], name)
+        medusa = medusa_on(name)
         seconds[name] = measure_step_latency(medusa, trees, once)[1][0]
         reset_kernels(model), reset_kernels(heads)
     best = min(candidates, key=lambda name: sum(seconds[name]))
@@ -479,7 +473,7 @@ def with_batch_latency(medusa, fitted: Calibration, config: CalibrateConfig = DE
 def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> Calibration:
     """The tokens the heads guess from, the accuracy table of those guesses on the conversations, the tokens per step
     of every tree size simulated on them, then the trees fitted to this device."""
-    vocab = answer_vocab(medusa, conversations, config)
+    vocab = guess_vocab(medusa, conversations, config)
     set_guess_vocab(medusa.model, vocab)
     accuracy = measure_accuracy(medusa, conversations, config)
     sizes = fit_sizes(accuracy, config)
@@ -488,15 +482,13 @@ def calibrate(medusa, conversations: list[list[dict]], config: CalibrateConfig =
     return replace(calibration, guess_vocab=None if vocab is None else vocab.tolist(), simulated_tokens=simulated)
 
 
-def answer_vocab(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor | None:
+def guess_vocab(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS) -> torch.Tensor | None:
     """The config.guess_vocab tokens the conversations' answers use most, most used first (then unused ones by id),
     or None: the whole vocabulary (guess_vocab 0 or not smaller, or heads with projections of their own)."""
-    from .training.data import answer_vocab, build_examples
-
     size = medusa.heads.config.vocab_size
     if not config.guess_vocab or config.guess_vocab >= size or medusa.heads.config.projection != "shared":
         return None
-    return answer_vocab(build_examples(medusa.tokenizer, conversations, config.max_length), size, config.guess_vocab)
+    return data.answer_vocab(build_examples(medusa.tokenizer, conversations, config.max_length), size, config.guess_vocab)
 
 
 def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
@@ -505,7 +497,7 @@ def save(calibration: Calibration, directory: str | Path, setup: str) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / TREE_NAME).write_text(json.dumps([list(p) for p in calibration.tree_paths]) + "\n")
     record = {**asdict(calibration), "paths": [list(p) for p in calibration.paths], "setup": setup}
-    (directory / ACCURACY_NAME).write_text(json.dumps(record, indent=1) + "\n")
+    (directory / CALIBRATION_NAME).write_text(json.dumps(record, indent=1) + "\n")
     plot(calibration, directory, setup)
 
 
@@ -534,7 +526,7 @@ def confident_yield(calibration: HeadsCalibration, size: int) -> float:
 
 def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
     """The heads' calibration (accuracy.json), if they have one."""
-    path = Path(heads_dir) / ACCURACY_NAME
+    path = Path(heads_dir) / CALIBRATION_NAME
     if not path.is_file():
         return None
     try:

@@ -203,7 +203,7 @@ def cmd_serve(args) -> None:
 def cmd_distill(args) -> None:
     import torch
 
-    from .model import load_base
+    from .base import load_base
     from .training.data import read_prompts
     from .training.distill import distill
 
@@ -312,7 +312,8 @@ def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
 
 
 def cmd_calibrate(args) -> None:
-    from .calibrate import ACCURACY_NAME, PLOT_NAMES, calibrate, save, setup
+    from .calibrate import PLOT_NAMES, calibrate, save, setup
+    from .formats import CALIBRATION_NAME
 
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
@@ -337,7 +338,7 @@ def cmd_calibrate(args) -> None:
     save(result, output, setup(medusa))
     chosen = result.tokens_per_s[result.sizes.index(result.size)]
     print(f"calibrate: a tree of {result.size} candidates, predicted {chosen:.1f} tokens/s at {middle} tokens "
-          f"(plain {result.tokens_per_s[0]:.1f}) on {setup(medusa)} -> {output}/tree.json, {ACCURACY_NAME}, "
+          f"(plain {result.tokens_per_s[0]:.1f}) on {setup(medusa)} -> {output}/tree.json, {CALIBRATION_NAME}, "
           f"{', '.join(PLOT_NAMES.values())}; `--tree auto` moves between the sizes step by step", file=sys.stderr)
     if result.confident_size is not None:
         i = result.sizes.index(result.confident_size)

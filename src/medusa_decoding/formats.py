@@ -1,6 +1,6 @@
 """The MEDUSA ecosystem's checkpoint layouts, read and written without changing a bit.
 
-    native     config.json + model.safetensors: heads.{h}.{l}.linear.weight|bias, heads.{h}.{L}.weight
+    ours       config.json + model.safetensors: heads.{h}.{l}.linear.weight|bias, heads.{h}.{L}.weight
                (MedusaHeads.save_pretrained; L = number of layers, the projection exists only when own)
     reference  medusa_lm_head.safetensors or .pt: {h}.{l}.linear.weight|bias, {h}.{L}.weight
                (FasterDecoding/Medusa, MEDUSA-1 heads; no {h}.{L}.weight means the base LM head is shared)
@@ -8,7 +8,7 @@
     vllm       config.json (model_type "medusa") + model.safetensors: blocks.{h}.layers.{l}.weight|bias,
                lm_heads.{h}.weight
 
-Every layout is read into the reference key scheme (the native one without its `heads.` prefix), and the
+Every layout is read into the reference key scheme (ours without its `heads.` prefix), and the
 number of heads, layers and the sizes come from the tensors: published `config.json` files are known to
 disagree with their weights (medusa_num_heads=5 beside 4 heads).
 """
@@ -23,12 +23,19 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import EXPORT_FORMATS, HeadsConfig
-from .heads import CONFIG_NAME, WEIGHTS_NAME
 
-NATIVE, REFERENCE, MEDUSA2, VLLM = "native", "reference", "medusa-2", "vllm"
+# the files this project writes, one name each
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # heads (MedusaHeads.save_pretrained)
+TREE_NAME = "tree.json"  # the tree the heads decode with (MedusaModel.save_pretrained, `medusa calibrate`)
+CALIBRATION_NAME = "accuracy.json"  # `medusa calibrate`'s accuracy table and latency fit
+TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME = "head_accuracy.json", "train_config.json"  # `medusa train`'s record
+ADAPTER_DIR = "adapter"  # `medusa train --mode medusa2` writes its LoRA adapter here, beside the heads
+MERGED_DIR = "model"  # and with --merge the merged backbone here
+
+OURS, REFERENCE, MEDUSA2, VLLM = "ours", "reference", "medusa-2", "vllm"  # the layouts `detect` tells apart
 
 REFERENCE_SAFETENSORS, REFERENCE_PT = "medusa_lm_head.safetensors", "medusa_lm_head.pt"
-NATIVE_PREFIX = "heads."
+OURS_PREFIX = "heads."
 MEDUSA2_PREFIX = "medusa_head."
 VLLM_PREFIX = "medusa_heads."  # some vLLM checkpoints nest their tensors under it; vLLM strips it
 
@@ -55,8 +62,8 @@ def detect(directory: Path) -> str:
         return MEDUSA2
     if any(VLLM_BLOCK.fullmatch(name.removeprefix(VLLM_PREFIX)) for name in names):
         return VLLM
-    if any(name.startswith(NATIVE_PREFIX) for name in names):
-        return NATIVE
+    if any(name.startswith(OURS_PREFIX) for name in names):
+        return OURS
     raise ValueError(
         f"MEDUSA heads: unknown layout in {directory}: {', '.join(p.name for p in files)} hold no "
         f"heads.*, medusa_head.* or blocks.* tensors (first names: {sorted(names)[:3]})"
@@ -70,7 +77,7 @@ def holds_medusa2_heads(model) -> bool:
 
 
 def read(directory: Path, layout: str, vocab_size: int | None = None) -> tuple[HeadsConfig, dict]:
-    """A non-native layout -> (config inferred from the tensors, state dict in MedusaHeads' keys).
+    """A layout not ours -> (config inferred from the tensors, state dict in MedusaHeads' keys).
 
     vocab_size: the base model's, needed only by heads that share its LM head (their files carry none).
     """
@@ -85,7 +92,7 @@ def read(directory: Path, layout: str, vocab_size: int | None = None) -> tuple[H
     else:
         raise ValueError(f"layout must be one of {(REFERENCE, MEDUSA2, VLLM)}, got {layout!r}")
     config = infer_config(state, vocab_size, label, directory)
-    return config, {NATIVE_PREFIX + key: tensor for key, tensor in state.items()}
+    return config, {OURS_PREFIX + key: tensor for key, tensor in state.items()}
 
 
 def infer_config(state: dict, vocab_size: int | None, base_model: str, source: Path) -> HeadsConfig:
@@ -235,13 +242,13 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
     if config.kind != "medusa":
         raise ValueError(f"export: these are {config.kind} heads, which read the tokens before their guess; the "
                          f"{fmt} layout holds MEDUSA heads only (its engines feed a head the hidden state alone), so "
-                         "they cannot be written in it. Keep the native layout (save_pretrained), or export MEDUSA "
+                         "they cannot be written in it. Keep this project's layout (save_pretrained), or export MEDUSA "
                          "heads (the embedded default's: --heads src/medusa_decoding/assets/heads)")
     if config.feature_layers:
         raise ValueError(f"export: these heads read the outputs of layers {list(config.feature_layers)} beside the "
                          f"last hidden state; the {fmt} layout's engines feed a head the last hidden state alone, so "
-                         "they cannot be written in it. Keep the native layout (save_pretrained)")
-    state = {key.removeprefix(NATIVE_PREFIX): t.detach().contiguous() for key, t in heads.state_dict().items()}
+                         "they cannot be written in it. Keep this project's layout (save_pretrained)")
+    state = {key.removeprefix(OURS_PREFIX): t.detach().contiguous() for key, t in heads.state_dict().items()}
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     if fmt == REFERENCE:

@@ -29,10 +29,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from . import formats
 from .config import HeadsConfig, PrefixConfig
-
-CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
+from .formats import CONFIG_NAME, WEIGHTS_NAME
 
 
 def run_backbone(model: nn.Module, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:
@@ -221,12 +220,10 @@ class MedusaHeads(nn.Module):
 
         vocab_size: the base model's; read only for shared-projection heads whose files record none.
         """
-        from . import formats  # formats builds on this module
-
         directory = Path(directory)
         layout = formats.detect(directory)
-        if layout == formats.NATIVE:
-            config, state = read_native(directory)
+        if layout == formats.OURS:
+            config, state = read_ours(directory)
         else:
             config, state = formats.read(directory, layout, vocab_size)
         heads = cls(config)
@@ -257,7 +254,7 @@ class MedusaHeads(nn.Module):
                              f"{name} has {num_layers} layers (feature layers must lie below the last)")
 
 
-def read_native(directory: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
+def read_ours(directory: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
     """Our own layout: config.json + model.safetensors, as save_pretrained writes them."""
     config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
     for path in (config_path, weights_path):

@@ -14,9 +14,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import default_model, formats
+from .base import eos_ids, load_base, with_adapter
+from .calibrate import auto_tree, choose_kernels, confident_yield, read_accuracy
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
 from .decoding import Batch, Row
 from .guard import Ladder
@@ -25,9 +27,7 @@ from .kernels import (COMPILED, NativeLinear, cpu_float32, native_available, nat
                       set_guess_vocab, use_kernels)
 from .tree import Tree
 
-TREE_NAME = "tree.json"
-MERGED_NAME = "model"  # `medusa train --mode medusa2 --merge` writes the merged backbone here, beside its heads
-ADAPTER_NAME = "adapter"  # and `medusa train --mode medusa2` its LoRA adapter
+from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 
 
 @dataclass
@@ -81,9 +81,7 @@ class MedusaModel:
         self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         if kernels == "auto" and cpu_float32(model.device, model.dtype) and native_available():
-            from .calibrate import choose_kernels  # calibrate builds on this module
-
-            kernels = choose_kernels(model, tokenizer, heads)
+            kernels = choose_kernels(model, heads, lambda name: MedusaModel(model, tokenizer, heads, kernels=name))
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
         if any(isinstance(m, NativeLinear) for m in model.modules()):
@@ -137,11 +135,11 @@ class MedusaModel:
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-        merged = heads is None and model is not None and (Path(model) / MERGED_NAME / "config.json").is_file()
+        merged = heads is None and model is not None and (Path(model) / MERGED_DIR / "config.json").is_file()
         if merged:
-            model, heads = Path(model) / MERGED_NAME, model  # a MEDUSA-2 training output: heads + merged backbone
-        elif heads is None and model is not None and (Path(model) / ADAPTER_NAME / "adapter_config.json").is_file():
-            config = json.loads((Path(model) / ADAPTER_NAME / "adapter_config.json").read_text())
+            model, heads = Path(model) / MERGED_DIR, model  # a MEDUSA-2 training output: heads + merged backbone
+        elif heads is None and model is not None and (Path(model) / ADAPTER_DIR / "adapter_config.json").is_file():
+            config = json.loads((Path(model) / ADAPTER_DIR / "adapter_config.json").read_text())
             model, heads = config["base_model_name_or_path"], model  # heads + adapter: the base it was trained on
         base, tokenizer = load_base(model, dtype, device)
         if heads is None and model is None:
@@ -149,8 +147,8 @@ class MedusaModel:
         if heads is None and model is not None and formats.holds_medusa2_heads(model):
             heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
-        if heads_dir is not None and not merged and (heads_dir / ADAPTER_NAME / "adapter_config.json").is_file():
-            base = with_adapter(base, heads_dir / ADAPTER_NAME)  # MEDUSA-2 heads see the fine-tuned backbone
+        if heads_dir is not None and not merged and (heads_dir / ADAPTER_DIR / "adapter_config.json").is_file():
+            base = with_adapter(base, heads_dir / ADAPTER_DIR)  # MEDUSA-2 heads see the fine-tuned backbone
         if heads is None:
             config = base.config.get_text_config()
             heads = MedusaHeads(
@@ -177,16 +175,12 @@ class MedusaModel:
         medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
         calibration = None
         if heads_dir is not None:
-            from .calibrate import auto_tree, read_accuracy  # calibrate builds on this module
-
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
                 if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
                 if mode in ("auto", "confident") and not size:  # after the kernels: they set the latency
                     medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode == "confident")
         if mode == "confident" and size:
-            from .calibrate import confident_yield
-
             medusa.trees = Ladder.fixed(Tree.from_spec([size]), confident=True,
                                         tokens=confident_yield(calibration, size) if calibration else 1.0)
         elif mode == "confident":
@@ -444,48 +438,3 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     if text.endswith("\ufffd"):
         return 1
     return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
-
-
-def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    """Every token that ends an answer: the model's generation config's and the tokenizer's."""
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
-    return frozenset(e for e in eos if e is not None)
-
-
-def untie_output_embeddings(model: PreTrainedModel) -> None:
-    """A tied lm_head gets its own copy: merging its LoRA must not move the input embeddings too."""
-    output, embeddings = model.get_output_embeddings(), model.get_input_embeddings()
-    if output.weight.data_ptr() == embeddings.weight.data_ptr():
-        output.weight = torch.nn.Parameter(embeddings.weight.detach().clone(), requires_grad=False)
-        model.config.get_text_config().tie_word_embeddings = False
-        model.config.tie_word_embeddings = False
-
-
-def with_adapter(base: PreTrainedModel, adapter: Path) -> PreTrainedModel:
-    """The base with a MEDUSA-2 LoRA adapter merged in (no adapter overhead when decoding)."""
-    from peft import PeftModel
-
-    untie_output_embeddings(base)  # as in training: the adapter's lm_head is not the embeddings
-    return PeftModel.from_pretrained(base, adapter).merge_and_unload()
-
-
-def load_base(model, dtype=None, device=None, **load_kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A base model and tokenizer from a directory or hub id; None: the embedded default.
-
-    load_kwargs: passed on to `from_pretrained` (training's quantization_config, device_map).
-    """
-    if model is None:
-        path = default_model.converted_dir()
-    else:
-        path = Path(model)
-        looks_local = path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1
-        if looks_local and not path.expanduser().exists():
-            raise FileNotFoundError(f"model: {model} does not exist")
-        path = path.expanduser() if path.expanduser().exists() else str(model)
-    try:
-        base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **load_kwargs)
-        tokenizer = AutoTokenizer.from_pretrained(path)
-    except OSError as error:
-        raise OSError(f"model: could not load {model!r}: {error}") from None
-    return base.to(device) if device is not None else base, tokenizer

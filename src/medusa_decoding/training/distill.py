@@ -18,7 +18,7 @@ from tqdm import tqdm
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from ..config import DistillConfig
-from ..model import eos_ids
+from ..base import eos_ids
 from .data import Prompt, chat_ids
 
 SPEAKERS = {"user": "human", "assistant": "gpt"}  # ShareGPT's names for the chat roles

@@ -22,7 +22,6 @@ import importlib.util
 import itertools
 import json
 import math
-from collections.abc import Iterator
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -36,74 +35,16 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..config import HeadsConfig, PrefixConfig, TrainConfig
 from ..heads import MedusaHeads, prefix_state, run_backbone
-from ..model import ADAPTER_NAME, MERGED_NAME, load_base, untie_output_embeddings
+from ..base import load_base, untie_output_embeddings
+from ..formats import ADAPTER_DIR, MERGED_DIR, TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
+from .positions import HEAD_OFFSET, ahead_states, answer_positions, at_answers, future_labels, path_embeddings
 
 OUTSIDE = -1  # the label of an answer token outside the guess vocabulary (TrainConfig.guess_vocab): never guessed
-HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
 TOPK_ACCURACY = 5
 LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
 CHECKPOINTS = "checkpoints"
-ACCURACY_NAME, CONFIG_NAME = "head_accuracy.json", "train_config.json"
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
-
-
-def future_labels(labels: torch.Tensor, offset: int) -> torch.Tensor:
-    """labels [B, T] -> the label `offset` positions ahead of each position [B, T]; IGNORE_INDEX past the end."""
-    return torch.cat([labels[:, offset:], labels.new_full((labels.shape[0], offset), IGNORE_INDEX)], dim=1)
-
-
-def path_tokens(input_ids: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """What hydra heads read of the tokens after each position t, teacher-forced: input_ids [B, T] -> [B, T, K], tokens
-    t+1..t+K (head k reads the first k+1; past the end the last token, where no head has a target)."""
-    last = input_ids[:, -1:]
-    return torch.stack([torch.cat([input_ids[:, j:], last.expand(-1, j)], dim=1) for j in range(1, num_heads + 1)], -1)
-
-
-def path_embeddings(config: HeadsConfig, embed: nn.Module, path: torch.Tensor) -> torch.Tensor | None:
-    """What hydra heads read of the tokens after t: path [N, K] (path_tokens) -> their input embeddings [N, K, H];
-    None for MEDUSA heads, which read h_t alone."""
-    return embed(path) if config.kind == "hydra" else None
-
-
-def answer_mask(labels: torch.Tensor, num_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """labels [B, T] -> (each head's target [K, B, T], the positions where some head has one [B, T])."""
-    targets = torch.stack([future_labels(labels, k + HEAD_OFFSET) for k in range(num_heads)])
-    return targets, (targets != IGNORE_INDEX).any(0)
-
-
-def at_answers(state: torch.Tensor, input_ids: torch.Tensor, labels: torch.Tensor, num_heads: int):
-    """The positions where some head has a target, out of a batch of conversations: state [B, T, S], input_ids and
-    labels [B, T] -> (state [n, S], targets [K, n], path [n, K]: path_tokens, rows [n]: each position's example).
-    Only these positions are trained on, so prompts and padding cost the heads nothing."""
-    targets, keep = answer_mask(labels, num_heads)
-    return state[keep], targets[:, keep], path_tokens(input_ids, num_heads)[keep], keep.nonzero()[:, 0]
-
-
-def ahead_states(hidden: torch.Tensor, labels: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """The last hidden states [n, K, H] at t+1..t+K of at_answers' positions t (hidden [B, T, H]): the frozen model's
-    LM head at t+k+1 gives its distribution over head k's target (targets "teacher"). Past the end: the last state,
-    where no head has a target."""
-    b, t = answer_mask(labels, num_heads)[1].nonzero(as_tuple=True)
-    later = (t[:, None] + torch.arange(1, num_heads + 1, device=t.device)).clamp(max=hidden.shape[1] - 1)
-    return hidden[b[:, None], later]
-
-
-@torch.no_grad()
-def answer_positions(model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                     batch_size: int, teacher: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
-    """The frozen model's answer positions in `examples`, teacher-forced, a batch of examples at a time: (the heads'
-    input state [n, S] (heads.run_backbone, heads.prefix_state), targets [K, n], path [n, K]), as at_answers gives
-    them, and with `teacher` the states ahead [n, K, H] (ahead_states). Calibration and AnswerStates read the heads'
-    inputs through here."""
-    num_heads = heads.config.num_heads
-    for start in range(0, len(examples), batch_size):
-        batch = {k: v.to(model.device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
-        hidden, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
-                                     attention_mask=batch["attention_mask"])
-        state = prefix_state(heads, model.get_input_embeddings(), state, batch["input_ids"])
-        found = at_answers(state, batch["input_ids"], batch["labels"], num_heads)[:3]
-        yield found + (ahead_states(hidden, batch["labels"], num_heads),) if teacher else found
 
 
 class AnswerStates(torch.utils.data.Dataset):
@@ -590,12 +531,12 @@ def head_accuracy(metrics: dict, num_heads: int, examples: int) -> dict:
 
 def save(wrapper: MedusaTrainingModel, tokenizer, output: Path, config: TrainConfig, accuracy: dict, merge: bool):
     wrapper.heads.save_pretrained(output)
-    (output / CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2) + "\n")
+    (output / TRAIN_CONFIG_NAME).write_text(json.dumps(asdict(config), indent=2) + "\n")
     if accuracy:
-        (output / ACCURACY_NAME).write_text(json.dumps(accuracy, indent=2) + "\n")
+        (output / TRAIN_ACCURACY_NAME).write_text(json.dumps(accuracy, indent=2) + "\n")
     if wrapper.adapted:
-        wrapper.backbone.save_pretrained(output / ADAPTER_NAME, save_embedding_layers=False)  # lm_head: its LoRA is enough
+        wrapper.backbone.save_pretrained(output / ADAPTER_DIR, save_embedding_layers=False)  # lm_head: its LoRA is enough
         if merge:
             merged = wrapper.backbone.merge_and_unload()
-            merged.save_pretrained(output / MERGED_NAME)
-            tokenizer.save_pretrained(output / MERGED_NAME)
+            merged.save_pretrained(output / MERGED_DIR)
+            tokenizer.save_pretrained(output / MERGED_DIR)
