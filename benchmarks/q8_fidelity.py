@@ -19,7 +19,7 @@ from medusa_decoding import GenerationConfig, MedusaModel
 from medusa_decoding.bench import agreed_prefix, read_questions
 from medusa_decoding.cache import allocate
 from medusa_decoding.calibrate import device_name
-from medusa_decoding.decoding import forward
+from medusa_decoding.eager import forward
 from medusa_decoding.kernels import MAX_ROWS, Q8Linear, q8_paths
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations
 

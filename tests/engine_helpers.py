@@ -1,11 +1,18 @@
-"""Models and heads for the end-to-end engine tests: lively tiny models, random heads, oracle heads."""
+"""Models, heads and decoding helpers for the engine tests: lively tiny models, random heads, oracle heads; one request
+decoded as a batch of one, one row's verification pass."""
+
+from collections.abc import Iterator
 
 import torch
 from conftest import tiny_model
 
-from medusa_decoding.config import HeadsConfig
+from medusa_decoding import cache as kv
+from medusa_decoding.config import GenerationConfig, HeadsConfig
+from medusa_decoding.decoding import Batch
+from medusa_decoding.eager import forward
+from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
-from medusa_decoding.training.train import prefix_shape
+from medusa_decoding.tree import Tree
 
 WEIGHT_STD = 0.3  # tiny models at their init scale (0.02) repeat one token; this makes them wander
 ORACLE_RANK0, ORACLE_RANK1 = 0.7, 0.9  # luck below 0.7: rank 0, below 0.9: rank 1, else not proposed
@@ -27,13 +34,12 @@ def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
     return model
 
 
-def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=(),
-                 prefix: bool = False) -> MedusaHeads:
+def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=()) -> MedusaHeads:
     """Shared-projection heads with random residual blocks: their guesses are mostly wrong (a hydra head's differ
-    from path to path; heads with feature layers read those too; prefix: hydra heads with a random prefix layer)."""
+    from path to path; heads with feature layers read those too)."""
     config = model.config.get_text_config()
     heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, kind=kind,
-                                    feature_layers=feature_layers, prefix_layer=prefix_shape(model) if prefix else None))
+                                    feature_layers=feature_layers))
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for parameter in heads.parameters():
@@ -89,7 +95,6 @@ class OracleHeads(torch.nn.Module):
         self.register_buffer("noise", torch.randn(len(sequence), num_heads, vocab_size, generator=generator))
         self.register_buffer("luck", torch.rand(len(sequence), num_heads, generator=generator))
 
-    prefix = None  # no prefix layer
     check_compatible = MedusaHeads.check_compatible
     guesses = MedusaHeads.guesses
     guess_rows = MedusaHeads.guess_rows
@@ -126,3 +131,30 @@ class OracleHeads(torch.nn.Module):
         same = (paths == self.embedding[self.sequence[index]]).all(-1).long().cumprod(1).bool()  # [B, D]
         heads = self.config.num_heads
         return torch.cat([same[:, :heads], same.new_zeros(len(positions), max(0, heads - same.shape[1]))], 1)
+
+
+def decode(model, heads: MedusaHeads | None, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
+           eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None, compiled: bool = False
+           ) -> Iterator[tuple[list[int], int]]:
+    """One request, a batch of one: the tokens of each forward pass and how many candidates it verified (the
+    prefill's one token and 0 first)."""
+    batch = Batch(model, heads, compiled)
+    row = batch.join(prompt, config, trees, eos_ids, generator)
+    yield [row.root], 0
+    while batch.rows:
+        (_, new, size), = batch.step()
+        yield new, size
+
+
+def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """[1, 1, N+1, prefix_len+N+1] additive mask of one row's step: every node sees the prefix and its ancestors."""
+    lengths, depths = torch.tensor([prefix_len], device=device), tree.depths[None].to(device)
+    return kv.step_inputs(lengths, depths, tree.attention[None].to(device), prefix_len + tree.num_nodes, dtype)[1]
+
+
+def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, layers: tuple[int, ...] = ()):
+    """One row's forward pass over all N+1 nodes -> logits [N+1, V], the heads' input states [N+1, (1 + L) H]."""
+    positions = (prefix_len + tree.depths.to(tokens.device))[None]
+    mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
+    logits, states = forward(model, tokens[None], cache, position_ids=positions, attention_mask=mask, layers=layers)
+    return logits[0], states[0]

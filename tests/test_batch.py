@@ -10,11 +10,11 @@ bitwise its own, which seeded sampling shows: the same random draws give the sam
 import pytest
 import torch
 from conftest import FAMILIES, needs_native
-from engine_helpers import greedy_reference, lively_model, random_heads
+from engine_helpers import decode, greedy_reference, lively_model, random_heads
 from test_kernels import gguf_model
 
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, decode
+from medusa_decoding.decoding import PLAIN, Batch
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.tree import Tree
 
@@ -44,12 +44,12 @@ def batched(model, heads, configs, eos_ids=frozenset(), seeds=None) -> list[list
     return outs
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra with a prefix layer"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_every_row_of_a_batch_is_its_greedy_decoding_alone(family, kind):
-    """Rows join and leave at their own steps; hydra heads' prefix layer keeps its keys and values per row."""
+    """Rows join and leave at their own steps; hydra heads read each row's own path."""
     model = lively_model(family, seed=FAMILIES.index(family))
-    heads = random_heads(model) if kind == "medusa" else random_heads(model, kind="hydra", prefix=True)
+    heads = random_heads(model) if kind == "medusa" else random_heads(model, kind="hydra")
     configs = [GenerationConfig(max_new_tokens=n) for n in BUDGETS]
     outs = batched(model, heads, configs)
     for i, (prompt, config) in enumerate(zip(PROMPTS, configs)):

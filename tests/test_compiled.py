@@ -7,13 +7,15 @@ import copy
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler
-from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads, verify
 
 from medusa_decoding import cache as kv
 from medusa_decoding import compiled
 from medusa_decoding.acceptance import greedy
+from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, Row, decode, prefill, propose, verify
+from medusa_decoding.decoding import PLAIN, Batch, Row, prefill, propose
+from medusa_decoding.eager import Eager
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.tree import Tree, padded
@@ -62,14 +64,14 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 @needs_compiler
 # fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path
-@pytest.mark.parametrize("kind, layers, prefix", [("medusa", (), False), ("medusa", (1,), False), ("hydra", (), False),
-                                                  ("hydra", (), True)], ids=["medusa", "fused", "hydra", "hydra-prefix"])
-def test_compiled_batch_decodes_each_row_as_alone(kind, layers, prefix):
+@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("medusa", (1,)), ("hydra", ())],
+                         ids=["medusa", "fused", "hydra"])
+def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
     model = lively_model("qwen2")
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
-    batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind, prefix=prefix), compiled=True)
+    batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind), compiled=True)
     rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
             for prompt, n in zip(prompts, budgets)]
     produced = {id(row): [row.root] for row in rows}
@@ -93,10 +95,12 @@ def test_the_proposal_graph_proposes_what_the_eager_proposal_does(kind):
             tree = Tree.from_spec(spec)
             small = tree.truncated(1)
             for sub in (tree, small):
-                eager, on_graph = (propose(heads, lm_head, embed, hidden, 7, sub, tree, compiled=c) for c in (False, True))
+                eager, on_graph = (propose(heads, lm_head, embed, hidden, 7, sub, tree, run=engine.candidates)
+                                   for engine in (Eager(model, heads), Compiled(model, heads)))
                 assert torch.equal(eager[0], on_graph[0]) and eager[0][0] == 7
                 assert (torch.equal(eager[1], on_graph[1]) if kind == "medusa" else eager[1] == on_graph[1])
-            assert propose(heads, lm_head, embed, hidden, 7, tree, tree, compiled=True, keep=False)[1] is None
+            assert propose(heads, lm_head, embed, hidden, 7, tree, tree, run=Compiled(model, heads).candidates,
+                           keep=False)[1] is None
 
 
 @pytest.mark.parametrize("spec", [DEFAULT_TREE, [3, 2, 2], [[0], [1], [1, 0], [1, 1], [1, 1, 0]]])

@@ -12,16 +12,17 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_model
-from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, greedy_reference, lively_model,
-                            random_heads)
+from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, decode, greedy_reference,
+                            lively_model, random_heads, verify)
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding
+from medusa_decoding.base import check_context, context_limit
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import check_context, context_limit, decode, prefill, verify
+from medusa_decoding.decoding import prefill
+from medusa_decoding.eager import Eager
 from medusa_decoding.guard import Ladder
-from medusa_decoding.heads import prefix_state, run_backbone
 from medusa_decoding.kernels import Q8Linear, native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
 
@@ -45,13 +46,11 @@ class Case:
     hydra_oracle: OracleHeads  # right on the true path only
 
     def heads(self, name: str):
-        """random / oracle, MEDUSA's or (hydra-...) hydra's; fused-random: hydra heads that read layer 1 too;
-        prefix-random: hydra heads with a (random) prefix layer."""
+        """random / oracle, MEDUSA's or (hydra-...) hydra's; fused-random: hydra heads that read layer 1 too."""
         kind = "medusa" if name in ("random", "oracle") else "hydra"
         if name.endswith("oracle"):
             return self.hydra_oracle if kind == "hydra" else self.oracle
-        return random_heads(self.model, kind=kind, feature_layers=(1,) if name.startswith("fused") else (),
-                            prefix=name.startswith("prefix"))
+        return random_heads(self.model, kind=kind, feature_layers=(1,) if name.startswith("fused") else ())
 
 
 @functools.lru_cache(maxsize=None)
@@ -79,7 +78,7 @@ def tokens_per_step(steps: list[list[int]]) -> float:
 
 
 @pytest.mark.parametrize("tree", TREES.values(), ids=TREES)
-@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle", "fused-random", "prefix-random"])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle", "fused-random"])
 @pytest.mark.parametrize("attention", ATTENTION)
 def test_greedy_medusa_equals_generate(family, attention, heads, tree):
     c = case(family, attention)
@@ -143,19 +142,23 @@ def test_max_new_tokens_is_exact(family, monkeypatch):
     c = case(family)
     passes = []
 
-    def spy(model, cache, tokens, tree, prefix_len):
-        passes.append(prefix_len + tree.depth + 1)  # tokens known after this pass, at most
-        return verify(model, cache, tokens, tree, prefix_len)
+    eager_verify = Eager.verify
 
-    monkeypatch.setattr(decoding, "verify", spy)
-    long_last_steps = 0
+    def spy(self, cache, packed):
+        passes.append(packed.lengths[0] + int(packed.trees[0].max()) + 1)  # tokens known after it, at most
+        return eager_verify(self, cache, packed)
+
+    monkeypatch.setattr(Eager, "verify", spy)
+    long_last_steps = verified = 0
     for budget in range(1, 16):
         passes.clear()
         steps = run(c.model, c.oracle, [1, 1, 1, 1], budget)
         assert flat(steps) == c.reference[:budget]
         assert all(known <= len(PROMPT) + budget for known in passes)
         long_last_steps += len(steps[-1]) > 1
+        verified += len(passes)
     assert long_last_steps >= 5  # paths were accepted right up to the budget's end
+    assert verified >= 15 * 2  # the spy saw the passes
 
 
 def test_context_limit_reached_exactly():
@@ -335,7 +338,7 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
 
 
 @pytest.mark.parametrize("size", [3, 8])
-@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle", "prefix-random"])
+@pytest.mark.parametrize("heads", ["random", "oracle", "hydra-random", "hydra-oracle"])
 def test_confident_trees_are_lossless(family, heads, size):
     c = case(family)
     ladder = Ladder.fixed(Tree.from_spec([size]), confident=True)
@@ -344,28 +347,6 @@ def test_confident_trees_are_lossless(family, heads, size):
     assert flat(steps) == c.reference
     if heads.endswith("oracle"):  # the oracle is sure of its right guesses: the likeliest nodes run deep
         assert tokens_per_step(steps) > MIN_TOKENS_PER_STEP
-
-
-@pytest.mark.parametrize("tree", [[3, 2, 2], WIDE_SPARSE])
-def test_prefix_layer_reads_what_it_reads_over_whole_conversations(family, tree):
-    """The loop extends the prefix layer by each step's committed path (its keys and values kept per row); what
-    the heads then read at the row's last position must be what training and calibration compute over the whole
-    sequence at once (heads.prefix_state), or heads would decode on states they were not trained on."""
-    c = case(family)
-    heads = c.heads("prefix-random")
-    batch = decoding.Batch(c.model, heads)
-    row = batch.join(PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS), Tree.from_spec(tree))
-    produced, checked = [row.root], 0
-    while batch.rows:
-        committed = torch.cat([PROMPT, torch.tensor(produced)])  # ends with the root: the next token after the last
-        with torch.inference_mode():
-            _, state = run_backbone(c.model, input_ids=committed[None])
-            whole = prefix_state(heads, c.model.get_input_embeddings(), state, committed[None])[0, -2]
-        torch.testing.assert_close(row.hidden, whole, rtol=1e-4, atol=1e-5)
-        checked += 1
-        (_, new, _), = batch.step()
-        produced += new
-    assert produced == c.reference and checked > 5 and row.length > len(PROMPT) + checked  # paths were accepted
 
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])

@@ -8,12 +8,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 from conftest import FAMILIES
-from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 
 from medusa_decoding import decoding
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
-from medusa_decoding.decoding import PLAIN, decode
+from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import (EXPLORE_EVERY, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder,
                                    batch_yields, yields)
 from medusa_decoding.tree import build

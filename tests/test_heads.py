@@ -9,14 +9,12 @@ import torch
 from conftest import FAMILIES, HIDDEN, VOCAB, tiny_model
 
 from medusa_decoding import MedusaModel
-from medusa_decoding.config import HeadsConfig, PrefixConfig
+from medusa_decoding.config import HeadsConfig
 from medusa_decoding.formats import CONFIG_NAME, WEIGHTS_NAME
-from medusa_decoding.heads import MedusaHeads, prefix_state, run_backbone
+from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.tree import Tree
 
 CONFIG = HeadsConfig(hidden_size=HIDDEN, vocab_size=VOCAB, num_heads=3, num_layers=2, base_model="tiny")
-PREFIX = PrefixConfig(num_attention_heads=4, num_key_value_heads=2, intermediate_size=48, rope_theta=500.0,
-                      rms_norm_eps=1e-5)
 
 
 def perturbed(heads: MedusaHeads, seed: int = 0) -> MedusaHeads:
@@ -92,8 +90,8 @@ def test_untrained_heads_with_feature_layers_give_the_base_logits(kind):
         logits = heads(torch.cat([hidden, layer], -1), lm_head, embeds=embeds)
         for k in range(3):
             torch.testing.assert_close(logits[k], lm_head(hidden), rtol=1e-6, atol=1e-6)
-        with pytest.raises(ValueError, match=r"these heads read 2 states of 32 \(the last hidden state, feature "
-                                             r"layers \[1\], no prefix layer's output\), got 32 values"):
+        with pytest.raises(ValueError, match=r"these heads read 2 states of 32 \(the last hidden state and feature "
+                                             r"layers \[1\]\), got 32 values"):
             heads(hidden, lm_head, embeds=embeds)
 
 
@@ -111,49 +109,6 @@ def test_feature_layers_are_read_from_the_backbone_rms_normalised(smollm):
     assert torch.equal(run_backbone(smollm.model, (), input_ids=ids)[1], hidden)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_an_untrained_prefix_layer_adds_nothing(family):
-    """Its output projections start at zero: heads with a fresh prefix layer give the logits of the same heads
-    without one, bitwise, over any conversation."""
-    model = tiny_model(family)
-    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    plain = perturbed(MedusaHeads(replace(CONFIG, kind="hydra")))
-    looking = MedusaHeads(replace(plain.config, prefix_layer=PREFIX))
-    looking.heads.load_state_dict(plain.heads.state_dict())
-    ids = torch.randint(VOCAB, (2, 9))
-    with torch.no_grad():
-        _, state = run_backbone(model, input_ids=ids)
-        looked = prefix_state(looking, embed, state, ids)
-        assert looked.shape == (2, 9, 2 * HIDDEN) and not looked[..., HIDDEN:].any()
-        assert prefix_state(plain, embed, state, ids) is state
-        embeds = embed(ids[:, :3])[:, None].expand(-1, 9, -1, -1)  # any path
-        assert torch.equal(looking(looked, lm_head, embeds=embeds), plain(state, lm_head, embeds=embeds))
-
-
-def test_a_decoding_step_extends_the_prefix_layer_as_a_whole_pass_computes_it():
-    """Keys and values written in pieces (the loop's committed paths) give the outputs of one causal pass."""
-    layer = perturbed(MedusaHeads(replace(CONFIG, kind="hydra", prefix_layer=PREFIX))).prefix
-    h, embeds = torch.randn(1, 11, HIDDEN), torch.randn(1, 11, HIDDEN)
-    with torch.no_grad():
-        for parameter in layer.parameters():  # a model's scale: std 1 weights make attention one-hot and ill-conditioned
-            parameter.mul_(0.2)
-        whole = layer(h, embeds)
-        keys, values = layer.buffers_for(16, h)
-        pieces = [layer(h[:, a:b], embeds[:, a:b], keys, values, a) for a, b in ((0, 6), (6, 7), (7, 11))]
-    torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.parametrize("kind, prefix, message", [
-    ("medusa", PREFIX, "only hydra heads read the tokens a prefix layer needs"),
-    ("hydra", {"num_attention_heads": 4}, "prefix_layer must name the layer's shape"),
-    ("hydra", replace(PREFIX, num_attention_heads=5), "do not divide hidden_size 32"),
-    ("hydra", replace(PREFIX, num_key_value_heads=3), "do not divide hidden_size 32"),
-])
-def test_bad_prefix_layer_configs(kind, prefix, message):
-    with pytest.raises(ValueError, match=message):
-        replace(CONFIG, kind=kind, prefix_layer=prefix)
-
-
 @pytest.mark.parametrize("layers", [[0], [1, 1], ["8"], 8])
 def test_feature_layers_must_be_distinct_layer_numbers(layers):
     with pytest.raises(ValueError, match="feature_layers must be distinct layer numbers >= 1"):
@@ -165,11 +120,10 @@ def test_shared_heads_need_the_lm_head():
         MedusaHeads(CONFIG)(torch.zeros(HIDDEN))
 
 
-@pytest.mark.parametrize("projection, kind, layers, prefix", [("shared", "medusa", (), None), ("own", "medusa", (), None),
-                                                             ("shared", "hydra", (), None), ("shared", "hydra", (1,), None),
-                                                             ("shared", "hydra", (1,), PREFIX)])
-def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, layers, prefix):
-    config = replace(CONFIG, projection=projection, kind=kind, feature_layers=layers, prefix_layer=prefix)
+@pytest.mark.parametrize("projection, kind, layers", [("shared", "medusa", ()), ("own", "medusa", ()),
+                                                     ("shared", "hydra", ()), ("shared", "hydra", (1,))])
+def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, layers):
+    config = replace(CONFIG, projection=projection, kind=kind, feature_layers=layers)
     heads = perturbed(MedusaHeads(config))
     heads.save_pretrained(tmp_path / "heads")
     assert sorted(p.name for p in (tmp_path / "heads").iterdir()) == sorted([CONFIG_NAME, WEIGHTS_NAME])
@@ -177,7 +131,6 @@ def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, laye
     assert saved == {
         "base_model": "tiny", "hidden_size": HIDDEN, "vocab_size": VOCAB, "num_heads": 3, "num_layers": 2,
         "projection": projection, "kind": kind, "feature_layers": list(layers),
-        "prefix_layer": None if prefix is None else asdict(prefix),
     }
     loaded = MedusaHeads.from_pretrained(tmp_path / "heads")
     assert loaded.config == config
@@ -186,7 +139,7 @@ def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, laye
     for name in mine:
         assert torch.equal(mine[name], theirs[name]), name
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
-    hidden, embeds = torch.randn(2, (1 + len(layers) + (prefix is not None)) * HIDDEN), torch.randn(2, 3, HIDDEN)
+    hidden, embeds = torch.randn(2, (1 + len(layers)) * HIDDEN), torch.randn(2, 3, HIDDEN)
     with torch.no_grad():
         assert torch.equal(heads(hidden, lm_head, embeds=embeds), loaded(hidden, lm_head, embeds=embeds))
     assert MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype == torch.bfloat16
@@ -222,11 +175,20 @@ def test_corrupt_weights_file(saved, damage):
     ('{"hidden_size": 32, "vocab_size": 96, "projection": "both"}', "projection must be one of"),
     ('{"hidden_size": "32", "vocab_size": 96}', "hidden_size must be a positive integer"),
     ('{"hidden_size": 32, "vocab_size": 96, "kind": "eagle"}', "kind must be one of"),
+    ('{"hidden_size": 32, "vocab_size": 96, "kind": "hydra", "prefix_layer": {"num_attention_heads": 4}}',
+     "prefix_layer: heads with a prefix layer are not supported"),
 ])
 def test_bad_config_file(saved, text, message):
     (saved / CONFIG_NAME).write_text(text)
     with pytest.raises(ValueError, match=message):
         MedusaHeads.from_pretrained(saved)
+
+
+def test_heads_saved_with_prefix_layer_null_load(saved):
+    """Heads saved while hydra heads could have a prefix layer hold "prefix_layer": null: they have none."""
+    config = json.loads((saved / CONFIG_NAME).read_text())
+    (saved / CONFIG_NAME).write_text(json.dumps({**config, "prefix_layer": None}))
+    assert MedusaHeads.from_pretrained(saved).config == CONFIG
 
 
 OWN, HYDRA = {"projection": "own"}, {"kind": "hydra"}

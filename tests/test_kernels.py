@@ -15,11 +15,11 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_tokenizer
-from engine_helpers import greedy_reference, lively_model, random_heads
+from engine_helpers import decode, greedy_reference, lively_model, random_heads, verify
 
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import decode, prefill, verify
+from medusa_decoding.decoding import prefill
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
                                      BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,

@@ -13,7 +13,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 
 import medusa_decoding.model as model_module
 from medusa_decoding import GenerationConfig, HeadsConfig, MedusaHeads, MedusaModel, Tree
-from medusa_decoding.decoding import context_limit
+from medusa_decoding.base import context_limit
 from medusa_decoding.formats import TREE_NAME
 
 from conftest import tiny_model

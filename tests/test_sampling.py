@@ -10,13 +10,13 @@ import copy
 import pytest
 import torch
 from conftest import FAMILIES
-from engine_helpers import OracleHeads, greedy_reference, lively_model, random_heads
+from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 from scipy.stats import chisquare
 
 from medusa_decoding import acceptance
 from medusa_decoding.acceptance import sample, target_probs
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, decode
+from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import Guard, Ladder
 from medusa_decoding.kernels import compile_error, use_kernels
 from medusa_decoding.tree import Tree
@@ -115,7 +115,6 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     ("engine", {"top_k": 4, "top_p": 0.8}),
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
-    ("engine, hydra heads with a prefix layer", {}),  # ... and on every token before them
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
     ("engine, compiled", {}),  # fixed-shape steps: logits from the graph, the rule on them
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
@@ -126,8 +125,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     if verifier in flawed:
         monkeypatch.setitem(acceptance.RULES, "rejection", flawed[verifier])
     model, heads = small_model
-    if "hydra heads" in verifier:
-        heads = random_heads(model, kind="hydra", prefix=verifier.endswith("prefix layer"))
+    heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
     if verifier.endswith("compiled"):
         if compile_error("cpu") is not None:
             pytest.skip(f"torch.compile: {compile_error('cpu')}")

@@ -12,7 +12,7 @@ import uvicorn
 
 import medusa_decoding.model as model_module
 from medusa_decoding.config import DEFAULT_MODEL
-from medusa_decoding.server import Engine, create_app, serving
+from medusa_decoding.server import Scheduler, create_app, serving
 
 MODEL_ID = DEFAULT_MODEL.name
 MAX_TOKENS = 12
@@ -148,7 +148,7 @@ def test_a_cancelled_row_leaves_the_others_undisturbed(base_url, client, expecte
 def test_a_full_queue_answers_503_and_the_server_serves_on(smollm):
     """One row and no queue: while a request runs, the next is refused at once with an OpenAI-style error."""
     body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0, "stream": True}
-    with serving(create_app(smollm, MODEL_ID, Engine(max_batch=1, max_queue=0))) as url:
+    with serving(create_app(smollm, MODEL_ID, Scheduler(max_batch=1, max_queue=0))) as url:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as running:
             lines = running.iter_lines()  # held: a line iterator that is collected closes the stream
             next(line for line in lines if line.startswith("data: {"))
@@ -274,9 +274,9 @@ def test_client_that_leaves_frees_the_model(base_url, client, streaming):
 def test_client_that_leaves_while_queued_is_never_run(smollm, monkeypatch):
     """One row: the second request waits in the queue, its client leaves, and it is dropped without running."""
     body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0}
-    add, joined = model_module.Running.add, []
-    monkeypatch.setattr(model_module.Running, "add", lambda self, *args: joined.append(args) or add(self, *args))
-    with serving(create_app(smollm, MODEL_ID, Engine(max_batch=1))) as url:
+    add, joined = model_module.Requests.add, []
+    monkeypatch.setattr(model_module.Requests, "add", lambda self, *args: joined.append(args) or add(self, *args))
+    with serving(create_app(smollm, MODEL_ID, Scheduler(max_batch=1))) as url:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as running:
             lines = running.iter_lines()  # held: a line iterator that is collected closes the stream
             next(line for line in lines if line.startswith("data: {"))  # the model is busy with it
@@ -298,7 +298,7 @@ def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(ba
     def broken(*args, **kwargs):
         raise RuntimeError("the model fell over")
 
-    monkeypatch.setattr(model_module.Running, "step", broken)
+    monkeypatch.setattr(model_module.Requests, "step", broken)
     response = httpx.post(f"{base_url}{CHAT}", json=GOOD, timeout=60)
     assert response.status_code == 500
     assert response.json()["error"] == {
@@ -313,7 +313,7 @@ def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(ba
 
 
 def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
-    """A second thread running torch work slows every thread's OpenMP workers (server.Engine): one thread only."""
+    """A second thread running torch work slows every thread's OpenMP workers (server.Scheduler): one thread only."""
     from medusa_decoding import cli
 
     threads = {}
@@ -326,4 +326,4 @@ def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
     cli.main(["serve"])
     assert threads["load"] is not threading.current_thread()
-    assert threads["load"].name.startswith("medusa-generate")  # the Engine's one worker, which generates too
+    assert threads["load"].name.startswith("medusa-generate")  # the Scheduler's one worker, which generates too

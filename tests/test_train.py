@@ -14,7 +14,7 @@ from transformers import AutoTokenizer, TrainerCallback
 from medusa_decoding import MedusaModel, default_model
 from medusa_decoding.cli import main
 from medusa_decoding.config import HeadsConfig, TrainConfig
-from medusa_decoding.heads import MedusaHeads, prefix_state, run_backbone
+from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
 from medusa_decoding.training import train as train_module
 from medusa_decoding.training.positions import at_answers, future_labels
@@ -174,16 +174,14 @@ def test_heads_weight_ramps_along_a_sine_only_for_medusa2_without_init_heads():
     assert heads_weight(medusa2, 0, ramp=False) == 0.2
 
 
-@pytest.mark.parametrize("kind, layers, positions, prefix", [("medusa", (), 0, False), ("hydra", (), 0, False),
-                                                             ("hydra", (1,), 0, False), ("hydra", (), 16, False),
-                                                             ("hydra", (), 0, True)])
-def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind, layers, positions,
-                                                                          prefix):
+@pytest.mark.parametrize("kind, layers, positions", [("medusa", (), 0), ("hydra", (), 0), ("hydra", (1,), 0),
+                                                     ("hydra", (), 16)])
+def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokenizer, tmp_path, kind, layers, positions):
     model = model_for(tokenizer)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     recorder = Recorder()
     config = TrainConfig(**{**CONFIG.__dict__, "projection": "own", "kind": kind, "feature_layers": layers,
-                            "position_batch": positions, "prefix_layer": prefix})
+                            "position_batch": positions})
     accuracy = train(model, tokenizer, counting(), tmp_path / "heads", config, callbacks=[recorder])
     assert recorder.losses[-1] < 0.6 * recorder.losses[0]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
@@ -196,9 +194,6 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
     medusa = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "heads")
     assert medusa.heads.config.num_heads == 3 and medusa.heads.config.kind == kind
     assert medusa.heads.config.feature_layers == layers
-    assert (medusa.heads.prefix is not None) == prefix
-    if prefix:  # trained with the heads: its output projections left zero
-        assert medusa.heads.prefix.o_proj.weight.any() and medusa.heads.prefix.down_proj.weight.any()
     assert medusa.generate("w1 w2 w3", max_new_tokens=8).token_ids == medusa.generate(
         "w1 w2 w3", max_new_tokens=8, medusa=False).token_ids
 
@@ -439,33 +434,6 @@ def test_trained_heads_start_heads_that_read_a_layer_with_the_same_logits(tokeni
         make_heads(model, TrainConfig(num_heads=3, kind=kind, feature_layers=(2,)), tmp_path)
 
 
-def test_trained_hydra_heads_start_heads_with_a_prefix_layer_with_the_same_logits(tokenizer, tmp_path):
-    """The layer copies the base model's last decoder layer, its output projections at zero: the heads' logits are
-    the trained ones until it learns; heads that have one cannot start a run without one."""
-    model = model_for(tokenizer)
-    plain = make_heads(model, TrainConfig(num_heads=3, kind="hydra"), None)
-    with torch.no_grad():
-        for p in plain.parameters():
-            p.normal_()
-    plain.save_pretrained(tmp_path)
-    looking = make_heads(model, TrainConfig(num_heads=3, kind="hydra", prefix_layer=True), tmp_path)
-    last = model.model.layers[-1]
-    assert torch.equal(looking.prefix.q_proj.weight, last.self_attn.q_proj.weight)
-    assert torch.equal(looking.prefix.up_proj.weight, last.mlp.up_proj.weight)
-    assert torch.equal(looking.prefix.input_norm, last.input_layernorm.weight)
-    assert looking.config.prefix_layer.num_key_value_heads == model.config.num_key_value_heads
-    ids = torch.randint(len(tokenizer), (2, 7))
-    embeds = model.get_input_embeddings()(torch.randint(len(tokenizer), (2, 7, 3)))
-    lm_head, embed = model.get_output_embeddings(), model.get_input_embeddings()
-    with torch.no_grad():
-        _, state = run_backbone(model, input_ids=ids)
-        assert torch.equal(looking(prefix_state(looking, embed, state, ids), lm_head, embeds=embeds),
-                           plain(state, lm_head, embeds=embeds))
-    looking.save_pretrained(tmp_path / "looking")
-    with pytest.raises(ValueError, match="prefix_layer=PrefixConfig.*but training asks for prefix_layer=None"):
-        make_heads(model, TrainConfig(num_heads=3, kind="hydra"), tmp_path / "looking")
-
-
 @pytest.mark.parametrize("kind, projection", [("medusa", "shared"), ("medusa", "own"), ("hydra", "shared")])
 def test_trained_heads_start_deeper_heads_with_the_same_logits(tokenizer, tmp_path, kind, projection):
     model = model_for(tokenizer)
@@ -513,10 +481,6 @@ def test_errors(tokenizer, tmp_path, monkeypatch):
         TrainConfig(mode="medusa2", position_batch=256)
     with pytest.raises(ValueError, match="position_batch must be"):
         TrainConfig(position_batch=-1)
-    with pytest.raises(ValueError, match="prefix_layer: hydra heads only"):
-        TrainConfig(prefix_layer=True)
-    with pytest.raises(ValueError, match="not on cached positions"):
-        TrainConfig(kind="hydra", prefix_layer=True, position_batch=16)
     with pytest.raises(ValueError, match="targets must be one of"):
         TrainConfig(targets="labels")
     with pytest.raises(ValueError, match="targets 'teacher' is the frozen backbone's distribution"):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medusa_decoding.config import DEFAULT_TREE
-from medusa_decoding.tree import PAD, Tree, parse_spec
+from medusa_decoding.tree import PAD, Tree, parse_tree
 
 # A small tree written out by hand: nodes 1..6 are (0,) (1,) (0,0) (0,1) (1,0) (0,0,0).
 HAND_PATHS = [[1], [0, 0], [0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately out of order
@@ -150,29 +150,29 @@ def test_truncated():
     ("[2, 1]", ((0,), (1,), (0, 0), (1, 0))),
     ("[]", ()),
 ])
-def test_parse_spec_inline(text, paths):
-    assert parse_spec(text).paths == paths
+def test_parse_tree_inline(text, paths):
+    assert parse_tree(text).paths == paths
 
 
-def test_parse_spec_file(tmp_path):
+def test_parse_tree_file(tmp_path):
     file = tmp_path / "tree.json"
     file.write_text(json.dumps([list(p) for p in DEFAULT_TREE]))
-    assert parse_spec(str(file)).paths == Tree.from_spec(DEFAULT_TREE).paths
+    assert parse_tree(str(file)).paths == Tree.from_spec(DEFAULT_TREE).paths
     file.write_text("[[0], [0, 0, 0]]")
     with pytest.raises(ValueError, match="not prefix-closed"):
-        parse_spec(str(file))
+        parse_tree(str(file))
 
 
-def test_parse_spec_long_inline_json():
+def test_parse_tree_long_inline_json():
     """A big tree typed inline is longer than any file name may be: still inline JSON, not an OSError."""
     paths = [list(p) for p in Tree.from_spec([4, 4, 3]).paths]
     text = json.dumps(paths)
     assert len(text) > 300
-    assert parse_spec(text).paths == Tree.from_spec([4, 4, 3]).paths
+    assert parse_tree(text).paths == Tree.from_spec([4, 4, 3]).paths
 
 
 @pytest.mark.parametrize("text", ["not json", "missing.json", "[[0], [1]"])
-def test_parse_spec_rejects_text_that_is_neither(text, tmp_path, monkeypatch):
+def test_parse_tree_rejects_text_that_is_neither(text, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="neither a JSON file nor inline JSON"):
-        parse_spec(text)
+        parse_tree(text)

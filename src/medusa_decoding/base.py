@@ -1,5 +1,5 @@
-"""The base model: loaded from a directory, the hub or the embedded default, with a MEDUSA-2 adapter merged in, and
-the tokens that end its answers. `model` (decoding) and `training` both start here."""
+"""The base model: loaded from a directory, the hub or the embedded default, with a MEDUSA-2 adapter merged in, the
+tokens that end its answers and the context it attends over. `model` (decoding) and `training` both start here."""
 
 from pathlib import Path
 
@@ -52,3 +52,21 @@ def load_base(model, dtype=None, device=None, **load_kwargs) -> tuple[PreTrained
     except OSError as error:
         raise OSError(f"model: could not load {model!r}: {error}") from None
     return base.to(device) if device is not None else base, tokenizer
+
+
+def context_limit(model: PreTrainedModel) -> int:
+    """The longest sequence the model attends over correctly (sliding windows are not emulated)."""
+    config = model.config.get_text_config()
+    limits = [getattr(config, "max_position_embeddings", None), getattr(config, "sliding_window", None)]
+    return min(int(n) for n in limits if n)
+
+
+def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) -> None:
+    if prompt_len < 1:
+        raise ValueError("the prompt is empty: nothing to continue")
+    limit = context_limit(model)
+    if prompt_len + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {prompt_len + max_new_tokens} "
+            f"exceeds the model's context of {limit} tokens"
+        )

@@ -22,10 +22,11 @@ import transformers
 from tqdm import tqdm
 
 from . import llamacpp
+from .base import context_limit
 from .calibrate import (DEFAULTS as CALIBRATION, device_name, expected_acceptance, greedy_trees, measure_accuracy,
                         measure_step_latency, read_accuracy)
 from .config import GenerationConfig
-from .decoding import PLAIN, context_limit
+from .decoding import PLAIN
 from .guard import Ladder
 from .kernels import guess_projection, stock_kernels
 from .model import GenerationOutput, MedusaModel
@@ -157,8 +158,8 @@ def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: Gener
 def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig, turn: int,
                 llama=None, repeat: int = 1, rivals: dict[str, MedusaModel] | None = None) -> dict[str, GenerationOutput]:
     """Every decoder on one prompt, `repeat` rounds, their order rotated by `turn` and the round so none always runs
-    first; each decoder's fastest run counts (another process on a shared machine only ever slows a run down:
-    the same 256-token answer timed 4.7 and 4.4 s a minute apart on a 2-core EPYC)."""
+    first; each decoder's fastest run counts (another process on a shared machine only ever slows a run down, and by
+    as much from one minute to the next as the decoders differ)."""
     names = DECODERS + tuple(rivals or ()) + tuple(f"{name}{OWN_PLAIN}" for name, view in (rivals or {}).items()
                                                    if view.compiled != medusa.compiled)
     names += (LLAMA_CPP,) if llama is not None else ()

@@ -10,7 +10,7 @@ A batch's rows share the cache's columns: row b holds its own `lengths[b]` entri
 prefix, never another's), and a step writes row b's tree node i at column lengths[b] + i, right after the row's own
 entries (`place`), so a plain step's token is where it stays. After a verification pass `commit` moves each row's
 accepted path into place and drops the rest; the columns past a row's entries, up to the longest row's, are a hole
-its attention mask hides (`step_mask`).
+its attention mask hides (`step_inputs`).
 
 The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending every column of
 the buffers (the mask hides those not in use), writing each step's nodes at a column tensor (`place`) and moving the
@@ -149,15 +149,18 @@ def settle(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
         layer.placed = None
 
 
-def step_mask(lengths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, 1, T, columns] additive mask of a step whose row b has lengths[b] entries and its T nodes at columns
-    lengths[b].. (`place`): a node sees its row's own entries and the step's nodes that attention [B, T, T] lets it
-    (itself and its ancestors: tree.padded), never the hole past a shorter row nor a column not yet written."""
+def step_inputs(lengths: torch.Tensor, depths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step's position ids [B, T] and additive mask [B, 1, T, columns], for rows of lengths[b] entries whose T nodes
+    (of depths [B, T]) go to columns lengths[b].. (`place`): a node sits at its row's length plus its depth, and sees
+    its row's own entries and the step's nodes that attention [B, T, T] lets it (itself and its ancestors:
+    tree.padded), never the hole past a shorter row nor a column not yet written. Both engines build them here."""
     nodes = attention.shape[-1]
     offset = torch.arange(columns, device=lengths.device) - lengths[:, None]  # [B, S]: the column's node, if >= 0
     ours = attention.gather(2, offset.clamp(0, nodes - 1)[:, None, :].expand(-1, nodes, -1))  # [B, T, S]
     seen = (offset < 0)[:, None] | (ours & (offset < nodes)[:, None])
-    return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)[:, None]
+    mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
+    return lengths[:, None] + depths, mask[:, None]
 
 
 def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> None:

@@ -27,7 +27,8 @@ import torch
 
 from . import cache as kv
 from .config import CalibrateConfig, GenerationConfig
-from .decoding import Batch, context_limit, propose, propose_confident
+from .base import context_limit
+from .decoding import Batch, propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
 from .kernels import block_codes, code_digest, guess_projection, reads_blocks, reset_kernels, set_guess_vocab
@@ -194,9 +195,9 @@ def choose_tree(accuracy: torch.Tensor, sizes: list[int], contexts: list[int], l
 def answer_positions(medusa, conversations: list[list[dict]], config: CalibrateConfig = DEFAULTS
                      ) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]]:
     """The answer positions of `conversations`, teacher-forced, a batch of conversations at a time, as training reads
-    them: (the heads' input state [n, S] (heads.run_backbone, heads.prefix_state) at each position t where some head
-    has a target, targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens
-    after t [n, K, H] (else None), roots [n]: token t+1)."""
+    them: (the heads' input state [n, (1 + L) H] (heads.run_backbone) at each position t where some head has a target,
+    targets [K, n] (token t+k+2, IGNORE_INDEX past the answer), what hydra heads read of the true tokens after t
+    [n, K, H] (else None), roots [n]: token t+1)."""
     model, heads, tokenizer = medusa.model, medusa.heads, medusa.tokenizer
     examples = build_examples(tokenizer, conversations, config.max_length)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -311,10 +312,10 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
         prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
         batch = Batch(model, heads, medusa.compiled)
         row = batch.join(prompt.to(device), budget, trees[0])  # no EOS: the row stays
-        start = (row.root, row.hidden, row.length, row.produced)
+        start = (row.root, row.heads_input, row.length, row.produced)
 
         def rewind(row=row, batch=batch, start=start) -> None:  # back to the prefix alone
-            row.root, row.hidden, row.length, row.produced = start
+            row.root, row.heads_input, row.length, row.produced = start
             with torch.inference_mode():
                 kv.commit(batch.cache, [row.length], [[]])
 
@@ -335,7 +336,7 @@ def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=
         for tree, timed in zip(trees, times):
             for row in batch.rows:
                 row.guard = Guard(Ladder.fixed(tree, confident), row.root)
-            if batch.device_tree() is not None:  # a step that builds the rows' device state: the next one is timed
+            if batch.engine.device_tree(batch.rows) is not None:  # a step that builds the rows' device state: the next one is timed
                 batch.step()
             synchronize(device)
             start = time.perf_counter()

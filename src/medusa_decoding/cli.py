@@ -56,19 +56,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load(args):
+    """The model the flags name (--tree's text as it is: tree.parse_tree reads every form)."""
     import torch
 
     from .model import MedusaModel
 
-    return MedusaModel.from_pretrained(args.model, args.heads, tree=tree_arg(args.tree), kernels=args.kernels,
+    return MedusaModel.from_pretrained(args.model, args.heads, tree=args.tree, kernels=args.kernels,
                                        dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
-
-
-def tree_arg(text: str | None):
-    """--tree's text: auto, confident[:N] (or None) as they are, else a tree (inline JSON or a JSON file)."""
-    from .tree import parse_spec
-
-    return parse_spec(text) if text is not None and text.split(":")[0] not in ("auto", "confident") else text
 
 
 def generation_config(args, **overrides) -> GenerationConfig:
@@ -193,11 +187,11 @@ def cmd_chat(args) -> None:
 def cmd_serve(args) -> None:
     import uvicorn
 
-    from .server import Engine, create_app
+    from .server import Scheduler, create_app
 
-    engine = Engine(args.max_batch, args.max_queue)
-    medusa = engine.load(lambda: load(args))  # on the thread that will run it (Engine says why)
-    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, engine), host=args.host, port=args.port)
+    scheduler = Scheduler(args.max_batch, args.max_queue)
+    medusa = scheduler.load(lambda: load(args))  # on the thread that will run it (Scheduler says why)
+    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, scheduler), host=args.host, port=args.port)
 
 
 def cmd_distill(args) -> None:
@@ -225,7 +219,7 @@ def cmd_bench(args) -> None:
     from . import default_model, llamacpp
     from .bench import benchmark, plot, read_questions, table
     from .calibrate import read_accuracy
-    from .decoding import context_limit
+    from .base import context_limit
 
     if args.threads is not None:
         if args.threads < 1:
@@ -252,7 +246,7 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree_arg(tree), compiled)
+    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree, compiled)
               for name, heads, tree, compiled in specs}
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
                        llama=llama, repeat=args.repeat, rivals=rivals)
@@ -288,27 +282,27 @@ def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str, bool | Non
 
 
 def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
-    """`medusa bench --concurrency`: the server under load (load.py)."""
+    """`medusa bench --concurrency`: the server under load (loadtest.py)."""
     import torch
 
-    from . import load as serving
+    from . import loadtest
     from .calibrate import device_name
 
     try:
         concurrency = tuple(sorted({int(n) for n in args.concurrency.split(",")}))
     except ValueError:
         raise ValueError(f"concurrency: comma-separated client counts, got {args.concurrency!r}") from None
-    report = serving.load_benchmark(lambda: load(args), prompts, concurrency, args.requests_per_client, config,
-                                    args.seconds, repeat=args.repeat)
+    report = loadtest.load_benchmark(lambda: load(args), prompts, concurrency, args.requests_per_client, config,
+                                     args.seconds, repeat=args.repeat)
     report["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, tree=args.tree,
                             kernels=args.kernels, questions=args.questions)
-    print(serving.table(report))
+    print(loadtest.table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:
             json.dump(report, file, indent=1)
     if args.plot:
-        serving.plot(report, args.plot)
+        loadtest.plot(report, args.plot)
 
 
 def cmd_calibrate(args) -> None:
@@ -362,9 +356,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--feature-layers", nargs="+", type=int, default=TRAIN.feature_layers, metavar="LAYER",
         help="the heads also read these layers' outputs (RMS-normalised) beside the last hidden state, e.g. 8 16 24 "
              "(EAGLE-3's fused features; --init-heads without them start at zero weights)")
-    add("--prefix-layer", action="store_true",
-        help="hydra: also train a causal decoder layer over the prefix whose output head 0 adds (EAGLE's draft layer; "
-             "the base model's last layer copied, its output at zero); whole conversations, no --position-batch")
     add("--epochs", type=float, default=TRAIN.epochs)
     add("--max-steps", type=int, default=TRAIN.max_steps, help="stop after this many steps (overrides --epochs)")
     add("--lr", dest="learning_rate", metavar="LR", type=float, default=TRAIN.learning_rate,

@@ -1,4 +1,5 @@
-"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size.
+"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size. `Compiled`
+has eager.Eager's functions; `decoding.Batch` takes one or the other when it is made.
 
 Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter; on a
 GPU it is bound by launching them and by the host waiting for the device. `torch.compile` removes them only where
@@ -6,12 +7,12 @@ shapes do not change, so a step here never changes shape with the context: the K
 every column the step attends (cache.py, `whole`: the mask hides the columns not in use), writes its nodes at a
 column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows' lengths.
 
-A greedy step under a fixed tree (the common case: `Batch.device_tree`) is one graph that leaves nothing to the
+A greedy step under a fixed tree (the common case: `Compiled.device_tree`) is one graph that leaves nothing to the
 host (device_graph): verify, accept, move the accepted paths into place, advance the lengths, run the heads on the
 accepted node and write the next step's tree tokens, all in place in buffers that the cache keeps (DeviceRows);
 the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
 CUDA graph (`capture`) and replayed on the same addresses request after request (whole caches are pooled per
-model: `cache_for`). Other steps (sampling, confident trees, `--tree auto`'s guard, heads with a prefix layer) run
+model: `cache_for`). Other steps (sampling, confident trees, `--tree auto`'s guard) run
 verify_graph with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of
 their own, and read the accepted paths. The prefill stays eager: it runs once per request, at a length no two
 requests share.
@@ -27,13 +28,15 @@ import types
 import weakref
 
 import torch
+from torch.utils._pytree import tree_map
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from .default_model import cache_root
+from .base import context_limit
 from .heads import run_backbone
 from .proposal import candidates
-from .tree import on_device, padded
+from .tree import Tree, on_device, padded
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
 
@@ -44,9 +47,9 @@ def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, len
     """One verification step of fixed shape. tokens, depths, parents [B, T], attention, chains [B, T, T] (tree.padded),
     lengths [B] -> logits [B, T, V], the heads' input states [B, T, (1 + L) H] (heads.run_backbone with the heads'
     feature `layers`) and greedy acceptance (accept_greedy)."""
-    mask = kv.step_mask(lengths, attention, cache.layers[0].capacity, model.dtype)
+    positions, mask = kv.step_inputs(lengths, depths, attention, cache.layers[0].capacity, model.dtype)
     hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True,
-                                 attention_mask=mask, position_ids=lengths[:, None] + depths)
+                                 attention_mask=mask, position_ids=positions)
     logits = model.get_output_embeddings()(hidden)
     return logits, state, accept_greedy(tokens, logits.argmax(-1), depths, parents, attention, chains)
 
@@ -102,43 +105,102 @@ def graph(function, device_type: str):
     return torch.compile(function, **compile_settings(device_type))
 
 
-def verify(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
-           padded: list[tuple[torch.Tensor, ...]], layers: tuple[int, ...] = ()
-           ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
-    """A compiled step over tokens [B, T] at rows of `lengths` [B], each of a tree padded to T (tree.padded)
-    -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H], each row's greedy (accepted path, next token))."""
-    depths, parents, attention, chains = (torch.stack(t) for t in zip(*padded))
-    step = model_graph(verify_graph, model)
-    logits, hidden, greedy = step(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
-    return logits, hidden.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
+class Compiled:
+    """The compiled engine's step functions, as eager.Eager's: steps of fixed shapes through graphs, and where every
+    row is greedy under one fixed tree, the whole step as one graph on the device (device_step)."""
+
+    def __init__(self, model: PreTrainedModel, heads):
+        self.model, self.heads = model, heads
+        self.layers = heads.config.feature_layers if heads is not None else ()
+        self.width = heads.config.num_heads + 1 if heads is not None else 1  # any accepted path's longest
+        self.device_rows: DeviceRows | None = None  # the rows as the last device step left them
+
+    def cache(self, batch) -> Cache:
+        return cache_for(batch, self.model)
+
+    def nodes(self, plans: list) -> int:
+        """The step's width: the guard's pick, whatever the budget or confidence leaves of it (one graph a size)."""
+        return max(plan.nodes for plan in plans)
+
+    def candidates(self, *args):
+        """proposal.candidates as a graph (one per heads and tree); copies: a CUDA graph's outputs live until its
+        next replay."""
+        return tree_map(torch.clone, graph(candidates, self.model.device.type)(*args))
+
+    def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
+        """One pass (verify_graph) -> (logits [B, T, V], the heads' input states [B, T, S], each row's greedy
+        (accepted path, next token), read from the device at once)."""
+        if self.device_rows is not None:  # the cache's views as the rows stand, not as the device step left them
+            self.device_rows = None
+            kv.settle(cache, packed.lengths, [[] for _ in packed.lengths])
+        rows, nodes = packed.tokens.shape
+        kv.reserve(cache, rows, kv.width(cache) + max(nodes, self.width if nodes > 1 else 1))
+        kv.place(cache, packed.lengths, nodes)
+        logits, states, greedy = model_graph(verify_graph, self.model)(
+            self.model, cache, packed.tokens, packed.on_device, *packed.trees, self.layers)
+        return logits, states.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
+
+    def commit(self, cache: Cache, packed, paths: list[list[int]]) -> None:
+        """kv.commit; a tree step's paths, each continued to `width` (so one graph serves every tree), move in one
+        compiled gather/scatter. Paths already in place (node i at the i-th column after the row: the root alone, or
+        the first chain) move nothing, and most steps accept no more than that; the mover still runs on the first
+        tree step of each shape, so that it compiles in the warm-up, not at the first path that moves."""
+        if packed.tokens.shape[1] == 1:  # a plain step's token is in place already
+            return kv.commit(cache, packed.lengths, paths)
+        device = packed.on_device.device
+        shape = (device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), self.width)
+        if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
+            moves = torch.tensor([path + list(range(len(path), self.width)) for path in paths], device=device)
+            graph(kv.gather_paths, device.type)(cache, packed.on_device, moves)
+            MOVED.add(shape)
+        kv.settle(cache, packed.lengths, paths)
+
+    def device_tree(self, rows: list) -> Tree | None:
+        """The tree of a step that can run whole on the device, else None: every row greedy under the same fixed
+        tree, positions within the model's context."""
+        trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in rows}
+        if len(trees) != 1:
+            return None
+        tree, = trees.values()
+        fixed = all(row.config.temperature == 0 and not row.guard.watching and not row.guard.ladder.confident
+                    for row in rows)
+        within = max(row.length for row in rows) + tree.depth < context_limit(self.model)
+        return tree if fixed and within else None
+
+    def device_step(self, batch) -> tuple[Tree, list[list[int]]] | None:
+        """The step as one graph on the device and one read of it (device_graph) -> (its tree, the tokens each row
+        produced, EOS and budget not applied), or None where the step needs the host."""
+        rows = list(batch.rows)
+        if (tree := self.device_tree(rows)) is None:
+            return None
+        if self.device_rows is None or not self.device_rows.holds(rows, tree, batch.cache):
+            # each row's first tree through the proposal graph of one row: one graph whatever the batch size
+            k, tree_here = tree.topk_per_head(), on_device(tree, self.model.device)
+            tokens = torch.stack([
+                torch.tensor([row.root], device=self.model.device) if tree.num_nodes == 1 else
+                self.candidates(self.heads, batch.lm_head, batch.embed, row.heads_input[None],
+                                torch.tensor([row.root], device=self.model.device), tree_here, k)[0][0]
+                for row in rows])
+            self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache)
+        return tree, self.device_rows.step(self.model, batch.lm_head, batch.embed, batch.cache, self.layers)
+
+    def settled(self) -> None:
+        """After the rows moved on as the device step said (DeviceRows.settled)."""
+        self.device_rows.settled()
 
 
-def commit(cache: Cache, lengths: list[int], paths: list[list[int]], width: int, on_device: torch.Tensor) -> None:
-    """kv.commit for a compiled tree step (lengths: on the host, and `on_device`): the accepted paths, each continued
-    to `width` (the heads + 1: any path's longest, whatever the tree's size, so one graph serves every tree), move
-    in one compiled gather/scatter. Paths already in place (node i at the i-th column after the row: the root alone,
-    or the first chain) move nothing, and most steps accept no more than that; the mover still runs on the first
-    tree step of each shape, so that it compiles in the warm-up, not at the first path that moves."""
-    shape = (on_device.device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), width)
-    if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
-        moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=on_device.device)
-        graph(kv.gather_paths, on_device.device.type)(cache, on_device, moves)
-        MOVED.add(shape)
-    kv.settle(cache, lengths, paths)
-
-
-MOVED = set()  # the shapes the path mover has run at (commit)
+MOVED = set()  # the shapes the path mover has run at (Compiled.commit)
 
 
 def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
-                 lengths: torch.Tensor, columns: torch.Tensor, hidden: torch.Tensor, record: torch.Tensor,
+                 lengths: torch.Tensor, columns: torch.Tensor, heads_input: torch.Tensor, record: torch.Tensor,
                  depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree,
                  layers: tuple[int, ...], k: int) -> None:
     """A whole greedy step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
     `lengths` [B] (verify_graph; row b's nodes go to the cache at `columns` [B, T], the index every layer holds),
     accept greedily, move the accepted paths into place (an identity move costs what any other does), advance
-    `lengths`, keep the accepted node's heads' input state in `hidden` [B, S], write the next step's tree tokens (the
-    next root, then the heads' guesses over `tree`: proposal.candidates) into `tokens`, and the step's outcome into
+    `lengths`, keep the accepted node's heads' input state in `heads_input` [B, S], write the next step's tree tokens
+    (the next root, then the heads' guesses over `tree`: proposal.candidates) into `tokens`, and the step's outcome into
     `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
     after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
     width = record.shape[1] - 1
@@ -148,12 +210,12 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     if width > 1:
         kv.gather_paths(cache, lengths, path)
     last = path.gather(1, count[:, None] - 1)  # [B, 1]: the accepted node
-    hidden.copy_(state.gather(1, last[:, :, None].expand(-1, -1, state.shape[-1]))[:, 0])
+    heads_input.copy_(state.gather(1, last[:, :, None].expand(-1, -1, state.shape[-1]))[:, 0])
     produced = torch.cat([tokens.gather(1, path[:, 1:]), tokens[:, :1]], 1)  # the path's candidates, then room
     after = torch.arange(width, device=tokens.device) == count[:, None] - 1
     record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
     lengths.add_(count)
-    tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, hidden, root, tree, k)[0])
+    tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
 
 
 host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a greedy step to one
@@ -166,7 +228,7 @@ def read(tensor: torch.Tensor) -> list:
     return tensor.tolist()
 
 
-STATE = ("tokens", "lengths", "columns", "hidden", "record")  # what a device step changes, besides the cache
+STATE = ("tokens", "lengths", "columns", "heads_input", "record")  # what a device step changes, besides the cache
 
 
 class DeviceRows:
@@ -178,13 +240,13 @@ class DeviceRows:
     whether it still stands for them."""
 
     def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache):
-        """tokens [B, T]: each row's tree tokens for its next step (decoding.propose)."""
+        """tokens [B, T]: each row's tree tokens for its next step (the heads' proposal)."""
         self.tree, self.rows, self.heads = tree, rows, heads if tree.num_nodes > 1 else None
-        self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].hidden)
+        self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].heads_input)
         self.state = [self.buffers[name] for name in STATE]
-        self.tokens, self.lengths, self.columns, self.hidden, self.record = self.state
+        self.tokens, self.lengths, self.columns, self.heads_input, self.record = self.state
         self.tokens.copy_(tokens)
-        self.hidden.copy_(torch.stack([row.hidden for row in rows]))
+        self.heads_input.copy_(torch.stack([row.heads_input for row in rows]))
         self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
         placed = (self.buffers["rows_index"], slice(None), self.columns)
         for layer in cache.layers:
@@ -217,10 +279,10 @@ class DeviceRows:
         return [row[1: 1 + row[0]] for row in read(self.record)]
 
     def settled(self) -> None:
-        """The rows moved on as the record says: each row's heads' input is its row of `hidden` (a view that
+        """The rows moved on as the record says: each row's heads' input is its row of `heads_input` (a view that
         follows it step after step)."""
         for b, row in enumerate(self.rows):
-            row.hidden = self.hidden[b]
+            row.heads_input = self.heads_input[b]
         self.seen = self.now()
 
 
@@ -262,7 +324,7 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dic
         found = pool[key] = {
             "tokens": torch.zeros(rows, nodes, **long), "lengths": torch.zeros(rows, **long),
             "columns": torch.zeros(rows, nodes, **long), "record": torch.zeros(rows, 1 + width, **long),
-            "hidden": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
+            "heads_input": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
             "rows_index": torch.arange(rows, device=device)[:, None]}
         found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),
                                  on_device(tree, device))

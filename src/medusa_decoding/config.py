@@ -13,17 +13,6 @@ DEFAULT_TREE = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0
 
 
 @dataclass(frozen=True)
-class PrefixConfig:
-    """The shape of hydra heads' prefix layer (heads.PrefixLayer): a decoder layer like the base model's."""
-
-    num_attention_heads: int
-    num_key_value_heads: int
-    intermediate_size: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-6
-
-
-@dataclass(frozen=True)
 class HeadsConfig:
     """What a set of heads was built for; saved as the heads' `config.json`."""
 
@@ -37,13 +26,9 @@ class HeadsConfig:
     # the base model's layers whose outputs (RMS-normalised) the heads read beside the last hidden state, EAGLE-3's
     # fused features; () reads the last hidden state alone, the published layout
     feature_layers: tuple[int, ...] = ()
-    # hydra heads only: one causal decoder layer over [h_i; e(x_i+1)] of every earlier position (EAGLE's draft
-    # layer), whose output head 0 adds to its state; None: no look at the prefix beyond h_t
-    prefix_layer: PrefixConfig | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "feature_layers", check_layers(self.feature_layers))
-        object.__setattr__(self, "prefix_layer", check_prefix(self.prefix_layer, self.kind, self.hidden_size))
         if self.projection not in PROJECTIONS:
             raise ValueError(f"projection must be one of {PROJECTIONS}, got {self.projection!r}")
         if self.kind not in HEAD_KINDS:
@@ -51,26 +36,6 @@ class HeadsConfig:
         for name in ("hidden_size", "vocab_size", "num_heads", "num_layers"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
-
-
-def check_prefix(prefix, kind: str, hidden_size: int) -> PrefixConfig | None:
-    """prefix_layer as a PrefixConfig (config.json holds a dict), on hydra heads only, its heads dividing the
-    hidden size and its key-value heads its heads."""
-    if prefix is None:
-        return None
-    if kind != "hydra":
-        raise ValueError(f"prefix_layer: only hydra heads read the tokens a prefix layer needs, not {kind} heads")
-    try:
-        prefix = prefix if isinstance(prefix, PrefixConfig) else PrefixConfig(**prefix)
-    except TypeError as error:
-        raise ValueError(f"prefix_layer must name the layer's shape ({list(PrefixConfig.__annotations__)}): "
-                         f"{error}") from None
-    heads, kv_heads = prefix.num_attention_heads, prefix.num_key_value_heads
-    if not all(isinstance(n, int) and n >= 1 for n in (heads, kv_heads, prefix.intermediate_size)) \
-            or hidden_size % heads or heads % kv_heads:
-        raise ValueError(f"prefix_layer: {heads} attention heads over {kv_heads} key-value heads do not divide "
-                         f"hidden_size {hidden_size} (or a size is not a positive integer)")
-    return prefix
 
 
 def check_layers(layers) -> tuple[int, ...]:
@@ -152,7 +117,6 @@ class TrainConfig:
     num_layers: int = HeadsConfig.num_layers
     projection: str = HeadsConfig.projection
     feature_layers: tuple[int, ...] = HeadsConfig.feature_layers
-    prefix_layer: bool = False  # hydra: train a prefix layer (HeadsConfig.prefix_layer) with the heads
     epochs: float = 2.0
     max_steps: int = -1  # > 0 overrides epochs
     learning_rate: float = 1e-3  # the heads'; the LoRA backbone's is learning_rate / heads_lr_ratio
@@ -204,9 +168,6 @@ class TrainConfig:
             raise ValueError(f"eval_fraction must be in [0, 1), got {self.eval_fraction!r}")
         if not 0 <= self.lora_dropout < 1:
             raise ValueError(f"lora_dropout must be in [0, 1), got {self.lora_dropout!r}")
-        if self.prefix_layer and (self.kind != "hydra" or self.position_batch):
-            raise ValueError("prefix_layer: hydra heads only (--kind hydra), trained on whole conversations (the "
-                             "layer attends over them), not on cached positions (position_batch)")
         if self.guess_vocab and (self.mode != "medusa1" or self.projection != "shared"):
             raise ValueError(f"guess_vocab is for mode 'medusa1' with a shared projection, got mode {self.mode!r}, "
                              f"projection {self.projection!r}")
@@ -239,7 +200,7 @@ class DefaultModel:
             "List three tips for staying focused while studying.",
         )
     )
-    demo_max_new_tokens: int = 96  # three answers, MEDUSA and plain, in about two minutes on a laptop CPU
+    demo_max_new_tokens: int = 96  # three answers, MEDUSA and plain: a demo that is over in minutes on a laptop CPU
 
 
 DEFAULT_MODEL = DefaultModel()
@@ -266,8 +227,7 @@ class CalibrateConfig:
     max_length: int = 1024  # tokens per conversation (longer ones are cut)
     batch_size: int = 4
     # context lengths the step latency is timed at (attention grows with the context, and with it a tree step's cost
-    # against a plain one's: on a 2-core EPYC a 3-candidate step costs 1.10 plain steps at 64 tokens, 1.23 at 2048);
-    # the guard interpolates between them, the tree chosen for the middle one
+    # against a plain one's); the guard interpolates between them, the tree chosen for the middle one
     latency_contexts: tuple[int, ...] = (128, 512, 2048)
     latency_repeats: int = 5  # timed steps per tree size; the median is kept
     # batches whose step latency is timed too (at the first context), for each tree the guard may pick: a batch's

@@ -9,7 +9,7 @@ picks the tree with the most expected tokens per second.
 
 - A request opens with plain steps in which the heads guess, until OPENING steps' yields are counted: its own
   yields, not the calibration's alone, pick its first tree (on a prompt the heads cannot guess, a tree predicted
-  from the calibration ran 10-30 steps before its yields showed).
+  from the calibration ran for many steps before its yields showed).
 - Tokens per step, of every tree at once: a step's guesses (each head's top-k) are kept until the tokens they
   guessed are known. Those tokens are the same whichever tree verifies them (exactly at temperature 0; when
   sampling, in distribution: rejection sampling accepts a set of siblings with the probability that the drawn
@@ -18,11 +18,10 @@ picks the tree with the most expected tokens per second.
   weigh most. While decoding plainly the heads still guess, every PROBE_EVERY-th step, so that the guard sees
   when they are worth it again.
 - Step time: each step's measured time against its tree's calibrated latency at its context, weighed as the
-  tokens are; not the first step of a request (it carries one-off costs: 23.6 ms against 17.6 for the plain
-  steps after it, SmolLM2 on a 2-core EPYC), nor a plain step in which the heads guess (plain steps would seem
-  that much dearer). A tree not timed (or not lately) is expected to keep its calibrated ratio to the one
-  running; and while trees run, every EXPLORE_EVERY-th step is a plain one where plain is within reach, so that
-  the baseline they must beat is timed in this very request.
+  tokens are; not the first step of a request (it carries one-off costs that the steps after it do not), nor a
+  plain step in which the heads guess (plain steps would seem that much dearer). A tree not timed (or not lately)
+  is expected to keep its calibrated ratio to the one running; and while trees run, every EXPLORE_EVERY-th step is a
+  plain one where plain is within reach, so that the baseline they must beat is timed in this very request.
 
 In a batch (decoding.Batch) the rows share each forward pass, padded to its largest tree: one row's tree costs every
 row its size, so a tree pays for the whole batch or for none of its rows. The rows under one ladder pick together
@@ -49,7 +48,7 @@ SMOOTHING = 1 / 8  # weight of a new observation in the running estimates: they 
 PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a running mean, until SMOOTHING)
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
 OPENING = 3  # a request's first steps are plain and guess, until this many steps' yields are counted: its own ...
-PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: 1-2.5% of a plain step)
+PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: a small part of a step)
 EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one, timed (~0.5% where trees win by 15%) ...
 EXPLORE_BELOW = 1.15  # ... where plain is predicted within this factor of the tree: beyond, no timing changes a pick
 SWITCH_MARGIN = 1.03  # another tree is taken when predicted this much faster: less is within the estimates' noise

@@ -11,12 +11,6 @@ without knowing what comes before it; a hydra head's guess follows the path it e
 Heads of either kind may also read earlier layers (`feature_layers`, EAGLE-3's fused features): their first block
 reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives the heads' input state
 `[h; f_l1; ...]`). Their columns start at zero too.
-
-Hydra heads may also look at the prefix from the root (`prefix_layer`, EAGLE's draft layer): one causal decoder
-layer over `[h_i; e(x_i+1)]` of every position whose next token is known, whose output at t head 0 adds to its
-state. The decoding loop extends its keys and values by the committed positions each step (`PrefixLayer` with
-buffers); training and calibration run it over whole conversations (`prefix_state`). The heads' input state is then
-`[h; f_l1; ...; that output]`.
 """
 
 import json
@@ -30,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from . import formats
-from .config import HeadsConfig, PrefixConfig
+from .config import HeadsConfig
 from .formats import CONFIG_NAME, WEIGHTS_NAME
 
 
@@ -61,75 +55,6 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(inputs))
 
 
-class PrefixLayer(nn.Module):
-    """One decoder layer as Llama's (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP) over
-    x_i = fuse([h_i; e(x_i+1)]), returning its residual output. The output projections start at zero, so an
-    untrained layer adds nothing; training copies the base model's last layer into the rest."""
-
-    def __init__(self, hidden_size: int, config: PrefixConfig):
-        super().__init__()
-        self.config, heads, kv = config, config.num_attention_heads, config.num_key_value_heads
-        dim = hidden_size // heads
-        self.fuse = nn.Linear(2 * hidden_size, hidden_size, bias=False)
-        self.fuse.weight.data.copy_(torch.eye(hidden_size).repeat(1, 2))  # h + e(x): both reach the layer at first
-        self.q_proj = nn.Linear(hidden_size, heads * dim, bias=False)
-        self.o_proj = nn.Linear(heads * dim, hidden_size, bias=False)
-        self.k_proj, self.v_proj = (nn.Linear(hidden_size, kv * dim, bias=False) for _ in range(2))
-        self.gate_proj, self.up_proj = (nn.Linear(hidden_size, config.intermediate_size, bias=False) for _ in range(2))
-        self.down_proj = nn.Linear(config.intermediate_size, hidden_size, bias=False)
-        for zero in (self.o_proj, self.down_proj):
-            nn.init.zeros_(zero.weight)
-        self.input_norm, self.post_norm = (nn.Parameter(torch.ones(hidden_size)) for _ in range(2))
-
-    def rotate(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """RoPE: x [B, heads, T, dim] at positions [T], the angles in float32 whatever the heads' dtype."""
-        dim = x.shape[-1]
-        frequencies = self.config.rope_theta ** (-torch.arange(0, dim, 2, dtype=torch.float, device=x.device) / dim)
-        angles = positions[:, None].float() * frequencies
-        cos, sin = (f(torch.cat([angles, angles], -1)).to(x.dtype) for f in (torch.cos, torch.sin))
-        half = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
-
-    def forward(self, h: torch.Tensor, embeds: torch.Tensor, keys: torch.Tensor | None = None,
-                values: torch.Tensor | None = None, start: int = 0) -> torch.Tensor:
-        """h, embeds: [B, T, H] at positions start..start+T-1 (hidden states, the next tokens' embeddings) -> the
-        layer's residual output [B, T, H]. keys, values: [B, kv heads, C, dim] buffers holding the first `start`
-        positions' entries; the new ones are written after them (a decoding step). None: the T positions alone
-        (whole conversations, right-padded)."""
-        x = self.fuse(torch.cat([h, embeds], -1))
-        a = F.rms_norm(x, x.shape[-1:], self.input_norm, self.config.rms_norm_eps)
-        heads, kv, width = self.config.num_attention_heads, self.config.num_key_value_heads, x.shape[1]
-        positions = torch.arange(start, start + width, device=x.device)
-        q = self.rotate(self.q_proj(a).unflatten(-1, (heads, -1)).transpose(1, 2), positions)
-        k = self.rotate(self.k_proj(a).unflatten(-1, (kv, -1)).transpose(1, 2), positions)
-        v = self.v_proj(a).unflatten(-1, (kv, -1)).transpose(1, 2)
-        if keys is None:
-            attended = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:
-            keys[:, :, start: start + width], values[:, :, start: start + width] = k, v
-            seen = torch.arange(start + width, device=x.device) <= positions[:, None]  # [T, start+T]
-            attended = F.scaled_dot_product_attention(q, keys[:, :, : start + width], values[:, :, : start + width],
-                                                      attn_mask=seen, enable_gqa=True)
-        y = x + self.o_proj(attended.transpose(1, 2).flatten(2))
-        m = F.rms_norm(y, y.shape[-1:], self.post_norm, self.config.rms_norm_eps)
-        return y + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m)) - x
-
-    def buffers_for(self, capacity: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Empty keys and values [1, kv heads, capacity, dim] for one sequence, in `like`'s dtype and device."""
-        kv = self.config.num_key_value_heads
-        shape = (1, kv, capacity, self.k_proj.out_features // kv)
-        return like.new_zeros(shape), like.new_zeros(shape)
-
-
-def prefix_state(heads: "MedusaHeads", embed: nn.Module, state: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    """The heads' input state of whole conversations: state [B, T, S] (run_backbone), input_ids [B, T] -> [B, T, S']:
-    with a prefix layer, its output at every position appended (the last position reads its own token as next)."""
-    if heads.prefix is None:
-        return state
-    following = torch.cat([input_ids[:, 1:], input_ids[:, -1:]], 1)
-    return torch.cat([state, heads.prefix(state[..., : heads.config.hidden_size], embed(following))], -1)
-
-
 class MedusaHeads(nn.Module):
     """K heads. `forward(hidden, lm_head)` -> logits [K, ..., V]; `lm_head` is used when shared.
 
@@ -154,13 +79,11 @@ class MedusaHeads(nn.Module):
         if own and lm_head is not None:
             for head in self.heads:
                 head[-1].weight.data.copy_(lm_head.weight.data)
-        self.prefix = PrefixLayer(config.hidden_size, config.prefix_layer) if config.prefix_layer else None
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, num_heads: int | None = None,
                 embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
-        """hidden: [..., H], or the input state [..., (1 + L + P) H] of heads with L feature_layers (run_backbone)
-        and P = 1 with a prefix layer (its output, which head 0 adds: prefix_state) -> logits [K', ..., V] of heads
-        first..num_heads-1 (default: all).
+        """hidden: [..., H], or the input state [..., (1 + L) H] of heads with L feature_layers (run_backbone) ->
+        logits [K', ..., V] of heads first..num_heads-1 (default: all).
 
         embeds: [..., D, H], hydra heads only: the input embeddings of the tokens after h's position (the root
         first; head k reads the first k+1). Shared heads go through the LM head in one call: its weight, a fifth of
@@ -168,13 +91,11 @@ class MedusaHeads(nn.Module):
         """
         if self.config.kind == "hydra" and embeds is None:
             raise ValueError("hydra heads read the tokens before their guess: pass embeds")
-        size, fused, prefix = self.config.hidden_size, len(self.config.feature_layers), self.prefix is not None
-        if hidden.shape[-1] != (1 + fused + prefix) * size:
-            raise ValueError(f"these heads read {1 + fused + prefix} states of {size} (the last hidden state, feature "
-                             f"layers {list(self.config.feature_layers)}, {'the' if prefix else 'no'} prefix layer's "
-                             f"output), got {hidden.shape[-1]} values")
-        features = hidden[..., size: (1 + fused) * size].unflatten(-1, (fused, size)) if fused else None
-        looked = hidden[..., -size:] if prefix else None  # the prefix layer's output, for head 0
+        size, fused = self.config.hidden_size, len(self.config.feature_layers)
+        if hidden.shape[-1] != (1 + fused) * size:
+            raise ValueError(f"these heads read {1 + fused} states of {size} (the last hidden state and feature "
+                             f"layers {list(self.config.feature_layers)}), got {hidden.shape[-1]} values")
+        features = hidden[..., size:].unflatten(-1, (fused, size)) if fused else None
         hidden = hidden[..., :size]
         states = []
         for k in range(first, self.config.num_heads if num_heads is None else num_heads):
@@ -184,7 +105,7 @@ class MedusaHeads(nn.Module):
             x = blocks[0](hidden, torch.cat(context, -2) if context else None)
             for block in blocks[1:]:
                 x = block(x)
-            states.append(x + looked if k == 0 and looked is not None else x)
+            states.append(x)
         if self.config.projection == "own":
             return torch.stack([self.heads[k][-1](x) for k, x in enumerate(states, first)])
         if lm_head is None:
@@ -261,7 +182,10 @@ def read_ours(directory: Path) -> tuple[HeadsConfig, dict[str, torch.Tensor]]:
         if not path.is_file():
             raise FileNotFoundError(f"MEDUSA heads: {path} does not exist")
     try:
-        config = HeadsConfig(**json.loads(config_path.read_text()))
+        fields = json.loads(config_path.read_text())
+        if isinstance(fields, dict) and fields.pop("prefix_layer", None) is not None:  # null: saved without one
+            raise TypeError("prefix_layer: heads with a prefix layer are not supported (removed)")
+        config = HeadsConfig(**fields)
     except (json.JSONDecodeError, TypeError) as error:
         raise ValueError(f"MEDUSA heads: {config_path} is not a valid heads config: {error}") from None
     try:

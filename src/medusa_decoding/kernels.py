@@ -1,32 +1,29 @@
 """Which kernels run the model's few-token forward passes: the CPU fast path for MEDUSA steps.
 
 A MEDUSA step on a CPU is a forward pass over 2-16 tokens, where stock `F.linear` (MKL) is at its worst: below 4
-rows it streams the weights once, from 4 rows on it switches to a GEMM that costs 1.6x as much (SmolLM2's
-linears on a 2-core Xeon: 17.0 ms over 1 token, 28.0 over 4, 32.4 over 8). `native` runs every float32 linear of
-up to MAX_ROWS rows through the project's own kernel (`csrc/linear.cpp`, built once per machine): 16.0, 17.6 and
-20.0 ms there, and batch-invariant: a token's linears give it the same bits in a tree pass as alone (attention
-still rounds differently, ~1e-5 of a logit, as with stock kernels; greedy output is the same). It replaced
-oneDNN with packed weights (a 4-token step: packed 48.7 ms against stock 58.5; native 40.4 against 57.4). int8 dynamic quantization
-(`torch.ao`) is faster still but not offered: on SmolLM2-135M its greedy output leaves the float32 model's within
-the first few tokens. Neither is bfloat16 (oneDNN AMX tiles: nearly flat from 1 to 16 tokens, but a 16-token pass
+rows it streams the weights once, from 4 rows on it switches to a GEMM that costs much more. `native` runs every
+float32 linear of up to MAX_ROWS rows through the project's own kernel (`csrc/linear.cpp`, built once per
+machine): a few rows cost little more than one, and batch-invariant: a token's linears give it the same bits in a
+tree pass as alone (attention still rounds differently, ~1e-5 of a logit, as with stock kernels; greedy output is
+the same). It replaced oneDNN with packed weights, which it outran. int8 dynamic quantization (`torch.ao`) is
+faster still but not offered: on SmolLM2-135M its greedy output leaves the float32 model's within the first few
+tokens. Neither is bfloat16 (oneDNN AMX tiles: nearly flat from 1 to 16 tokens, but a 16-token pass
 rounds differently from a 1-token pass, so the output would depend on the tree).
 
 Weights dequantized from a GGUF file (the embedded default: linears Q4_1, the tied embedding Q8_0) are exactly
 blocks of 32 small integer codes, a scale and an offset. `native` finds such weights (`block_codes`, checked bit for
 bit) and reads the blocks instead, decoding them in the kernel to the very same float32 values: the output is
-bitwise what float32 weights give, from a fifth (Q4_1) or a third (Q8_0) of the bytes (SmolLM2's 210 linears over
-1 / 4 tokens on a 2-core Ice Lake Xeon: 11.3 / 16.4 ms against 22.4 / 24.8). Other weights run in float32 as
-before.
+bitwise what float32 weights give, from a fifth (Q4_1) or a third (Q8_0) of the bytes. Other weights run in float32
+as before.
 
 `compiled` is the compiled engine (compiled.py): every step of a fixed shape through `torch.compile`, one graph
 per tree size, with native linears and attention inside on a CPU in float32 where they build. Its first use compiles
-each tree size (about 40 s each for SmolLM2 on a 2-core CPU; inductor's on-disk cache shortens later runs), which a
-long-running process (`medusa serve`, `medusa bench`) wins back.
+each tree size (inductor's on-disk cache shortens later runs), which a long-running process (`medusa serve`,
+`medusa bench`) wins back.
 
 `q8` reads the same blocks, repacked 16 rows at a time (`q8_pack`), with each token's activations quantized to 8 bits
 per block and integer dot products (`Q8Linear`, llama.cpp's arithmetic; VNNI where the CPU has it): approximate
-(benchmarks/q8_fidelity.py), batch-invariant still, and the fastest from one token to a tree (SmolLM2's 211 linears
-on a 2-core EPYC over 1 / 4 / 16 tokens: 4.5 / 5.3 / 12.4 ms, float32 from the blocks 6.2 / 9.1 / 30.5).
+(benchmarks/q8_fidelity.py), batch-invariant still, and the fastest from one token to a tree.
 `compiled-q8` runs them on the compiled engine: the fastest CPU setup, for those who accept q8's rounding.
 
 `native`, `q8` and the compiled kernels run a step's attention through `invariant_attention` (`csrc/attention.cpp`): each
@@ -34,17 +31,18 @@ query over the keys it sees, in position order, so that a tree node gets bitwise
 token; with batch-invariant linears a tree pass is then bitwise a run of one-token passes. Without the native build,
 `compiled` runs it through `grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key
 and value once per query head that shares them (`repeat_kv`: 3x for SmolLM2, the whole cache, every layer, every
-step); SDPA's own grouped-query support reads them in place (SmolLM2, 2-core Xeon, 348-token context: a 4-token step
-41.5 -> 38.4 ms, an 8-token one 46.0 -> 43.4; a 1-token step, which `transformers` already packs, unchanged).
+step); SDPA's own grouped-query support reads them in place (a 1-token step, which `transformers` already packs,
+gains nothing).
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
 output stays the same. Under native or compiled kernels on a CPU in float32 they go through an int8 copy of the LM
 head (`Int8Linear`, one scale per row): a quarter of the bytes of the largest matrix, read once more every step
-for the guesses alone. With the shipped heads and tree on a 2-core Xeon that took a step from 44.0 to 41.3 ms, the
-output and acceptance unchanged. Heads calibrated with a guess vocabulary (`set_guess_vocab`) keep only the rows of
-the tokens answers use most in that copy. Where the LM head reads GGUF blocks (the embedded default's tied Q8_0
-embedding) the copy is those blocks' rows instead (`BlockRows`): exact, and fewer bytes than int8 with its scales.
-Measured side by side: benchmarks/cpu_kernels.py and its results.
+for the guesses alone; the output and the acceptance stay the same. Heads calibrated with a guess vocabulary
+(`set_guess_vocab`) keep only the rows of the tokens answers use most in that copy. Where the LM head reads GGUF
+blocks (the embedded default's tied Q8_0 embedding) the copy is those blocks' rows instead (`BlockRows`): exact, and
+fewer bytes than int8 with its scales.
+Measured side by side: benchmarks/cpu_kernels.py; the figures, with the machines they were measured on:
+benchmarks/results/README.md.
 """
 
 import contextlib
@@ -333,9 +331,9 @@ class BlockRows(nn.Module):
 
 def guess_copy(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Module:
     """The LM head's copy that the heads' guesses go through on a CPU in float32, on `rows` (None: all): its GGUF
-    blocks where it reads them as float32 (the embedded default's Q8_0 embedding: exact, and over SmolLM2's 4096
-    calibrated rows 74 us a guess against Int8Linear's 118, from memory, 2-core Xeon), else int8 weights (Int8Linear:
-    a quarter of float32's bytes, approximate; a guess needs no more)."""
+    blocks where it reads them as float32 (the embedded default's Q8_0 embedding: exact, and fewer bytes than
+    Int8Linear's rows and scales), else int8 weights (Int8Linear: a quarter of float32's bytes, approximate; a guess
+    needs no more)."""
     if type(lm_head) is NativeLinear and "codes" in lm_head._buffers:
         return BlockRows(lm_head, rows)
     return Int8Linear(lm_head, rows)
@@ -496,8 +494,8 @@ def reset_kernels(module: nn.Module) -> nn.Module:
 
 def native_linears(module: nn.Module) -> list[NativeLinear]:
     """Switches every nn.Linear of `module` (in place) to NativeLinear; returns them. The heads' too where the model's
-    are (MedusaModel): a guess needs speed, not MKL's rounding (a hydra head's 576 x 576 layer over one token on a
-    2-core EPYC: 0.28 ms through MKL, 0.03 through medusa::linear)."""
+    are (MedusaModel): a guess needs speed, not MKL's rounding (over one token medusa::linear runs a head's layer
+    several times faster than MKL)."""
     switched = [m for m in module.modules() if type(m) is nn.Linear]
     for linear in switched:
         linear.__class__ = NativeLinear
@@ -519,9 +517,9 @@ def guess_projection(model: nn.Module) -> nn.Module:
 def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
     """Lets the heads guess only tokens of `vocab` (ids; None: all), where use_kernels gave the LM head a copy
     for the guesses: the copy keeps those rows. The guesses of a step then cost a fraction of a projection onto the
-    whole vocabulary (SmolLM2, the 4096 tokens its answers use most: 0.19 ms against 2.67 with top-k, 2-core Xeon),
-    and are as often right (`medusa calibrate` picks the tokens). Elsewhere (stock kernels, a GPU) nothing changes:
-    the guesses cost little there. The model still verifies every guess against its whole vocabulary."""
+    whole vocabulary, and are as often right (`medusa calibrate` picks the tokens). Elsewhere (stock kernels, a GPU)
+    nothing changes: the guesses cost little there. The model still verifies every guess against its whole
+    vocabulary."""
     lm_head = model.get_output_embeddings()
     if not hasattr(lm_head, GUESS_COPY):
         return

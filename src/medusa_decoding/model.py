@@ -8,6 +8,7 @@
 import json
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -21,13 +22,12 @@ from .base import eos_ids, load_base, with_adapter
 from .calibrate import auto_tree, choose_kernels, confident_yield, read_accuracy
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
 from .decoding import Batch, Row
+from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 from .guard import Ladder
 from .heads import MedusaHeads
 from .kernels import (COMPILED, NativeLinear, cpu_float32, native_available, native_linears, resolve_kernels,
                       set_guess_vocab, use_kernels)
-from .tree import Tree
-
-from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
+from .tree import Mode, Tree, parse_tree
 
 
 @dataclass
@@ -41,6 +41,7 @@ class GenerationOutput:
     text: str = ""
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # the prefill, to the first token
+    finish: str | None = None  # why it ended, as Step.finish
 
     @property
     def steps(self) -> int:
@@ -61,7 +62,14 @@ class Step(NamedTuple):
     tokens: list[int]  # the tokens it produced (stop strings applied)
     text: str  # the whole answer so far
     tree_size: int  # the candidates it verified (0: a plain step, or the prefill)
-    done: bool = False  # the request's last step
+    # why the request ended at this step, as OpenAI's finish_reason: "stop" (EOS or a stop string) or "length" (its
+    # token budget); None while it runs
+    finish: str | None = None
+
+    @property
+    def done(self) -> bool:
+        """The request's last step."""
+        return self.finish is not None
 
 
 class MedusaModel:
@@ -120,7 +128,8 @@ class MedusaModel:
         """Base model (path or hub id; None: the embedded default) plus heads (directory; None: the embedded
         default's shipped heads, else untrained). A MEDUSA-2 training output may stand for both.
 
-        tree: a Tree, a path list, Cartesian sizes; None: the heads' own `tree.json`, else the default;
+        tree: any form tree.parse_tree takes: a Tree, a path list, Cartesian sizes (or either as JSON text or a JSON
+            file); None: the heads' own `tree.json`, else the default;
             "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
             a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
             "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
@@ -129,9 +138,9 @@ class MedusaModel:
         kernels: "auto" (compiled on a GPU; native on a CPU in float32 where it builds, else stock), "stock",
             "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the
             compiled engine, compiled.py: fixed-shape steps through torch.compile; each tree size compiles on first
-            use, about 40 s on a small CPU) or "compiled-q8" (the compiled engine with q8's linears).
+            use) or "compiled-q8" (the compiled engine with q8's linears).
         """
-        confident_tree(tree)  # a malformed tree fails before the model loads
+        tree = parse_tree(tree)  # a malformed tree fails before the model loads
         cuda = torch.cuda.is_available()
         device = device or ("cuda" if cuda else "cpu")
         dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
@@ -163,27 +172,27 @@ class MedusaModel:
         """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained);
         compiled: on the compiled engine or not, whatever the kernels (default: as they say)."""
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
-        mode, size = confident_tree(tree)
-        given = None if mode in ("auto", "confident") else tree
+        tree = parse_tree(tree)
+        mode = tree if isinstance(tree, Mode) else None  # a tree picked once the calibration is read
+        given = tree if mode is None else None
         if heads_dir is not None:
             # the base's vocab: heads sharing its LM head in the reference layout record none
             heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
             if given is None and (heads_dir / TREE_NAME).is_file():
-                given = json.loads((heads_dir / TREE_NAME).read_text())
-        medusa = cls(base, tokenizer, heads, given if isinstance(given, Tree) or given is None else Tree.from_spec(given),
-                     kernels)
+                given = parse_tree(json.loads((heads_dir / TREE_NAME).read_text()))
+        medusa = cls(base, tokenizer, heads, given, kernels)
         medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
         calibration = None
         if heads_dir is not None:
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
                 if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
-                if mode in ("auto", "confident") and not size:  # after the kernels: they set the latency
-                    medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode == "confident")
-        if mode == "confident" and size:
-            medusa.trees = Ladder.fixed(Tree.from_spec([size]), confident=True,
-                                        tokens=confident_yield(calibration, size) if calibration else 1.0)
-        elif mode == "confident":
+                if mode is not None and not mode.size:  # after the kernels: they set the latency
+                    medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode.name == "confident")
+        if mode is not None and mode.size:  # "confident:N"
+            medusa.trees = Ladder.fixed(Tree.from_spec([mode.size]), confident=True,
+                                        tokens=confident_yield(calibration, mode.size) if calibration else 1.0)
+        elif mode is not None and mode.name == "confident":
             medusa.trees = replace(medusa.trees, confident=True)
         return medusa
 
@@ -257,14 +266,14 @@ class MedusaModel:
         ids = self.encode(prompt, messages=messages, raw=raw)
         if streamer is not None:
             streamer.put(ids[None].cpu())
-        running = Running(self)
-        events = running.add(0, ids, config)
+        requests = Requests(self)
+        events = requests.add(0, ids, config)
         while events:
             (_, step), = events
             if streamer is not None:
                 streamer.put(torch.tensor(step.tokens))
             yield step
-            events = running.step()
+            events = requests.step()
         if streamer is not None:
             streamer.end()
 
@@ -297,14 +306,12 @@ class MedusaModel:
     def run_batch(self, prompts: list[torch.Tensor], config: GenerationConfig, max_batch: int
                   ) -> Iterator[tuple[int, Step]]:
         """(prompt index, Step) per row of every forward pass, up to `max_batch` prompts decoded together."""
-        if not isinstance(max_batch, int) or max_batch < 1:
-            raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
-        running, waiting = Running(self), list(enumerate(prompts))[::-1]
-        while running or waiting:
+        requests, waiting = Requests(self), deque(enumerate(prompts))
+        while requests or waiting:
             events = []
-            while waiting and len(running) < max_batch:
-                events += running.add(*waiting.pop(), config)
-            events += running.step() if running else []
+            while admitted := admit(waiting, len(requests), max_batch):  # again where a prefill ended its request
+                events += [event for index, ids in admitted for event in requests.add(index, ids, config)]
+            events += requests.step() if requests else []
             yield from events
 
     def stream(self, prompt=None, *, messages=None, raw=False, config=None, max_batch: int = ServerConfig.max_batch,
@@ -324,25 +331,25 @@ class MedusaModel:
                 yield piece
 
 
-class Running:
+class Requests:
     """Requests decoded together, as text: a Batch whose rows carry their answers so far. Each request joins with
     `add` (its prefill) and leaves when done: EOS, its token budget, or a stop string (cut where the string starts,
-    the token that completes it kept). `add` and `step` return (key, Step) per request that moved; `Step.done`: its
-    last."""
+    the token that completes it kept). `add` and `step` return (key, Step) per request that moved; `Step.finish`:
+    why it ended, at its last."""
 
     def __init__(self, medusa: MedusaModel):
         self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads, medusa.compiled)
-        self.requests: dict[Row, tuple[object, GenerationConfig, Answer]] = {}  # row -> (key, config, answer)
+        self.by_row: dict[Row, tuple[object, GenerationConfig, Answer]] = {}  # row -> (key, config, answer)
 
     def __len__(self) -> int:
-        return len(self.requests)
+        return len(self.by_row)
 
     def add(self, key, ids: torch.Tensor, config: GenerationConfig, model: MedusaModel | None = None
             ) -> list[tuple[object, Step]]:
         """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
         model = model or self.medusa
         row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config))
-        self.requests[row] = (key, config, Answer(self.medusa.decode))
+        self.by_row[row] = (key, config, Answer(self.medusa.decode))
         return [self.advance(row, [row.root], 0)]
 
     def step(self) -> list[tuple[object, Step]]:
@@ -351,11 +358,11 @@ class Running:
 
     def drop(self, key) -> None:
         """Ends a request before it is done (its client went away)."""
-        row = next(row for row, request in self.requests.items() if request[0] == key)
+        row = next(row for row, request in self.by_row.items() if request[0] == key)
         self.finish(row)
 
     def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step]:
-        key, config, answer = self.requests[row]
+        key, config, answer = self.by_row[row]
         start, generated = len(answer.tokens), answer.tokens
         text = answer.add(new)
         stop_at = first_stop(text, config.stop)
@@ -364,34 +371,32 @@ class Running:
                        if first_stop(self.medusa.decode(generated[:n]), config.stop) is not None)
             new, text = new[: end - start], text[:stop_at]
             del generated[end:]
-        done = stop_at is not None or row.done
-        if done:
+        finish = None
+        if stop_at is not None or row.done:
+            finish = "stop" if stop_at is not None or generated[-1] in self.medusa.eos_ids else "length"
             self.finish(row)
             text = text if stop_at is not None else self.medusa.decode(generated)  # the whole answer, once
-        return key, Step(new, text, tree_size, done)
+        return key, Step(new, text, tree_size, finish)
 
     def finish(self, row: Row) -> None:
-        del self.requests[row]
+        del self.by_row[row]
         if row in self.batch.rows:
             self.batch.leave(row)
 
 
-def confident_tree(tree) -> tuple[str | None, int | None]:
-    """tree "auto", "confident" (the calibrated sizes, each step's likeliest nodes) or "confident:N" (N of them) ->
-    (mode, N); anything else -> (None, None)."""
-    if not isinstance(tree, str):
-        return None, None
-    mode, _, size = tree.partition(":")
-    if mode not in ("auto", "confident") or size and (mode == "auto" or not size.isdigit() or int(size) < 1):
-        raise ValueError(f"tree: expected 'auto', 'confident' or 'confident:N' (N candidates) as text, got {tree!r}")
-    return mode, int(size) if size else None
+def admit(waiting: deque, running: int, max_batch: int) -> list:
+    """Takes from the front of `waiting` what may join `running` requests in a batch of at most `max_batch`: how both
+    MedusaModel.run_batch and the server's Scheduler admit requests, and where max_batch is checked."""
+    if not isinstance(max_batch, int) or max_batch < 1:
+        raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+    return [waiting.popleft() for _ in range(min(len(waiting), max_batch - running))]
 
 
 def record(out: GenerationOutput, step: Step) -> None:
     out.token_ids += step.tokens
     out.accept_lengths.append(len(step.tokens))
     out.tree_sizes.append(step.tree_size)
-    out.text = step.text
+    out.text, out.finish = step.text, step.finish
 
 
 class Answer:

@@ -1,16 +1,16 @@
 """OpenAI-compatible HTTP server over the one decoding loop (`medusa serve`), batching continuously.
 
-One worker thread owns the model. Every request it has admitted is a row of one running batch (model.Running):
-a request joins at the next step (its prefill) and leaves when done, cancelled or disconnected, so eight users are
-served by one forward pass a step, not one after another. Up to `max_batch` requests run; up to `max_queue` more
-wait, and beyond that a request is answered at once with a 503 (an OpenAI-style error) instead of queueing without
-bound. Each request's text reaches its HTTP response through an asyncio queue, so the event loop never waits on the
-model (a step's text for every row in one wake-up of the loop). A request is checked (fields, tree, prompt length)
-before it is queued, so a bad one gets an ordinary 400 even when it asked for a stream. A client that goes away sets
-its job's cancel flag: the worker drops its row before the next forward pass.
+One worker thread, the Scheduler's, owns the model. Every request it has admitted is a row of one running batch
+(model.Requests): a request joins at the next step (its prefill) and leaves when done, cancelled or disconnected, so
+eight users are served by one forward pass a step, not one after another. Up to `max_batch` requests run; up to
+`max_queue` more wait, and beyond that a request is answered at once with a 503 (an OpenAI-style error) instead of
+queueing without bound. Each request's text reaches its HTTP response through an asyncio queue, so the event loop
+never waits on the model (a step's text for every row in one wake-up of the loop). A request is checked (fields,
+tree, prompt length) before it is queued, so a bad one gets an ordinary 400 even when it asked for a stream. A
+client that goes away sets its job's cancel flag: the worker drops its row before the next forward pass.
 
->>> engine = Engine()
->>> uvicorn.run(create_app(engine.load(MedusaModel.from_pretrained), "SmolLM2-135M-Instruct", engine))
+>>> scheduler = Scheduler()
+>>> uvicorn.run(create_app(scheduler.load(MedusaModel.from_pretrained), "SmolLM2-135M-Instruct", scheduler))
 """
 
 import asyncio
@@ -34,10 +34,9 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
+from .base import check_context
 from .config import GenerationConfig, ServerConfig
-from .decoding import check_context
-from .model import GenerationOutput, MedusaModel, Running, TextPieces, first_stop, record
-from .tree import Tree
+from .model import GenerationOutput, MedusaModel, Requests, TextPieces, admit, record
 
 # request field -> GenerationConfig field; the later of two aliases wins
 OPENAI_FIELDS = {
@@ -133,15 +132,11 @@ def generation_config(body: CommonRequest) -> GenerationConfig:
 
 
 def request_model(medusa: MedusaModel, options: MedusaOptions | None) -> MedusaModel:
-    """The served model, or a view of it (same weights) with the request's own tree."""
+    """The served model, or a view of it (same weights) with the request's own tree, checked against the heads."""
     if options is None or options.tree is None:
         return medusa
     try:
-        tree = Tree.from_spec(options.tree)
-        vocab = medusa.model.get_output_embeddings().out_features
-        if tree.topk_per_head() > vocab:
-            raise ValueError(f"tree: rank {tree.topk_per_head() - 1} is past the vocabulary of {vocab} tokens")
-        return MedusaModel(medusa.model, medusa.tokenizer, medusa.heads, tree, medusa.kernels)
+        return medusa.with_heads(medusa.heads, options.tree)
     except ValueError as error:
         raise RequestError(str(error), "medusa.tree") from None
 
@@ -198,22 +193,23 @@ class Job:
         self.pieces = TextPieces(self.config.stop)
 
 
-class Engine:
-    """The one thread that touches the model, and the queue of requests waiting for a row of its batch. Counters feed
-    /health.
+class Scheduler:
+    """The one worker thread that touches the model and runs the batch, and the queue of requests waiting for a row
+    of it. Counters feed /health.
 
     Load the model on it too (`load`): torch's OpenMP (libgomp) keeps a pool of workers for every thread that has
     run parallel work, and once those outnumber the cores every pool stops spin-waiting, so a model loaded on
-    the main thread and run on this one decoded at 20 instead of 35 tokens/s on a 2-core Xeon.
+    the main thread and run on this one decodes markedly slower.
     """
 
     def __init__(self, max_batch: int = ServerConfig.max_batch, max_queue: int = ServerConfig.max_queue):
-        if not isinstance(max_batch, int) or max_batch < 1 or not isinstance(max_queue, int) or max_queue < 0:
-            raise ValueError(f"max_batch must be >= 1 and max_queue >= 0, got {max_batch!r} and {max_queue!r}")
+        if not isinstance(max_queue, int) or max_queue < 0:
+            raise ValueError(f"max_queue must be a non-negative integer, got {max_queue!r}")
         self.max_batch, self.max_queue = max_batch, max_queue
-        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
         self.lock = threading.Condition()
         self.waiting: deque[Job] = deque()  # guarded by lock
+        admit(self.waiting, 0, max_batch)  # admits nothing yet (none waits): checks max_batch before the first request
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
         self.running = 0  # rows in the batch, by the worker
         self.started = self.closed = False
         self.submitted = self.rejected = 0  # by the event loop
@@ -245,7 +241,7 @@ class Engine:
 
     def serve(self) -> None:
         """The worker's loop: admit what waits, drop what was cancelled, one forward pass for every row."""
-        running: Running | None = None
+        running: Requests | None = None
         jobs: dict[int, Job] = {}  # the batch's rows, by id(job)
         while True:
             self.send()
@@ -254,14 +250,14 @@ class Engine:
                     self.lock.wait()
                 if self.closed:
                     return
-                admitted = [self.waiting.popleft() for _ in range(min(len(self.waiting), self.max_batch - len(jobs)))]
+                admitted = admit(self.waiting, len(jobs), self.max_batch)
                 self.running = len(jobs) + len(admitted)
             events = []
             for job in admitted:
                 if job.cancelled.is_set():  # its client left while it waited: never run
                     self.end(job, Finished(job.out, "cancelled"))
                     continue
-                running = running or Running(job.model)  # every job's model holds the same weights
+                running = running or Requests(job.model)  # every job's model holds the same weights
                 try:
                     job.start = time.perf_counter()
                     events += running.add(id(job), job.ids, job.config, job.model)
@@ -291,7 +287,7 @@ class Engine:
                     self.outbox.append((job, piece))
                 if step.done:
                     job.out.seconds = time.perf_counter() - job.start
-                    self.end(job, Finished(job.out, finish_reason(job.model, job.out, job.config)))
+                    self.end(job, Finished(job.out, step.finish))
             self.running = len(jobs)
 
     def send(self) -> None:
@@ -316,11 +312,6 @@ class Engine:
 def put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
     for queue, event in events:
         queue.put_nowait(event)
-
-
-def finish_reason(medusa: MedusaModel, out: GenerationOutput, config: GenerationConfig) -> str:
-    ended = bool(out.token_ids) and out.token_ids[-1] in medusa.eos_ids
-    return "stop" if ended or first_stop(medusa.decode(out.token_ids), config.stop) is not None else "length"
 
 
 async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished]:
@@ -391,11 +382,11 @@ def prepare(medusa: MedusaModel, body: CommonRequest) -> tuple[MedusaModel, torc
     return request_model(medusa, body.medusa), prompt_ids(medusa, body, config), config
 
 
-async def answer(engine: Engine, medusa: MedusaModel, endpoint: Endpoint, body: CommonRequest, request: Request):
+async def answer(scheduler: Scheduler, medusa: MedusaModel, endpoint: Endpoint, body: CommonRequest, request: Request):
     model, ids, config = await asyncio.to_thread(prepare, medusa, body)  # tokenizing is not free
     job = Job(model, ids, config, asyncio.get_running_loop())
     head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": body.model}
-    engine.submit(job)  # before any response starts: a full queue is an ordinary 503
+    scheduler.submit(job)  # before any response starts: a full queue is an ordinary 503
     events = job_events(job, request)
     if body.stream:
         return StreamingResponse(stream(endpoint, head, ids.numel(), events), media_type="text/event-stream")
@@ -431,15 +422,15 @@ async def stream(endpoint: Endpoint, head: dict, prompt_tokens: int, events) -> 
 # ---- the app ----
 
 
-def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None) -> FastAPI:
-    """The ASGI app serving `medusa` under the name `model_id` (requests must name it), on `engine` (the one that
+def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None = None) -> FastAPI:
+    """The ASGI app serving `medusa` under the name `model_id` (requests must name it), on `scheduler` (the one that
     loaded it, for speed) or a new one."""
-    engine = engine or Engine()
+    scheduler = scheduler or Scheduler()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
-        engine.close()
+        scheduler.close()
 
     app = FastAPI(title="medusa-decoding", summary="OpenAI-compatible MEDUSA decoding", lifespan=lifespan)
 
@@ -453,12 +444,12 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
-        return await answer(engine, medusa, CHAT, body, request)
+        return await answer(scheduler, medusa, CHAT, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        return await answer(engine, medusa, COMPLETION, body, request)
+        return await answer(scheduler, medusa, COMPLETION, body, request)
 
     @app.get("/v1/models")
     async def models():
@@ -469,14 +460,14 @@ def create_app(medusa: MedusaModel, model_id: str, engine: Engine | None = None)
         return {
             "status": "ok",
             "model": model_id,
-            "in_flight": engine.in_flight(),
-            "running": engine.running,
-            "queued": len(engine.waiting),
-            "rejected": engine.rejected,
-            "cancelled": engine.cancelled,
-            "forward_passes": engine.forward_passes,  # prefills and steps
-            "row_steps": engine.row_steps,  # rows in each step, summed
-            "candidates": engine.candidates,  # candidates the rows verified, summed
+            "in_flight": scheduler.in_flight(),
+            "running": scheduler.running,
+            "queued": len(scheduler.waiting),
+            "rejected": scheduler.rejected,
+            "cancelled": scheduler.cancelled,
+            "forward_passes": scheduler.forward_passes,  # prefills and steps
+            "row_steps": scheduler.row_steps,  # rows in each step, summed
+            "candidates": scheduler.candidates,  # candidates the rows verified, summed
         }
 
     @app.exception_handler(RequestError)

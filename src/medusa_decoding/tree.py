@@ -11,10 +11,14 @@ import os
 from dataclasses import dataclass, fields, replace
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 PAD = -1  # fills leaf paths shorter than the deepest one; never a node, never a token
+MODES = ("auto", "confident")  # trees picked once the heads' calibration is read (Mode)
+EXPECTED = ("tree: expected 'auto', 'confident' or 'confident:N' (N candidates), or paths or Cartesian sizes (a list, "
+            "or JSON inline or in a file)")
 
 
 @dataclass(frozen=True)
@@ -73,13 +77,32 @@ class Tree:
             raise ValueError(f"tree: rank {self.topk_per_head() - 1} needs a top-{self.topk_per_head()}, but the vocabulary has {vocab_size} tokens")
 
 
-def parse_spec(text: str) -> Tree:
-    """A tree from the CLI: inline JSON or a JSON file holding paths or Cartesian sizes."""
+class Mode(NamedTuple):
+    """A tree picked once the heads' calibration is read: "auto" (the trees fitted to this device, among which a guard
+    picks each step) or "confident" (each step's likeliest candidates: `size` of them, else auto's sizes)."""
+
+    name: str
+    size: int | None = None
+
+
+def parse_tree(spec) -> Tree | Mode | None:
+    """A tree in any form it is given (MedusaModel, `--tree`, `--rival NAME=@TREE`, a request's `medusa.tree`) -> a
+    Tree, a Mode, or None (the heads' own tree.json, else the default): a Tree, Mode or None as it is; a list of paths
+    or Cartesian sizes; the text "auto", "confident" or "confident:N"; other text: paths or sizes as JSON, inline or
+    in a file."""
+    if spec is None or isinstance(spec, (Tree, Mode)):
+        return spec
+    if not isinstance(spec, str):
+        return Tree.from_spec(spec)
+    name, _, size = spec.partition(":")
+    if name in MODES:
+        if size and (name == "auto" or not size.isdigit() or int(size) < 1):
+            raise ValueError(f"{EXPECTED}, got {spec!r}")
+        return Mode(name, int(size) if size else None)
     try:  # os.path.isfile, unlike Path.is_file, is False for a text too long to be a file name
-        spec = json.loads(Path(text).read_text() if os.path.isfile(text) else text)
+        return Tree.from_spec(json.loads(Path(spec).read_text() if os.path.isfile(spec) else spec))
     except json.JSONDecodeError as error:
-        raise ValueError(f"tree: {text!r} is neither a JSON file nor inline JSON ({error})") from None
-    return Tree.from_spec(spec)
+        raise ValueError(f"{EXPECTED}; {spec!r} is neither a JSON file nor inline JSON ({error})") from None
 
 
 def cartesian(sizes: tuple[int, ...]) -> Tree:

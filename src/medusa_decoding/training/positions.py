@@ -9,7 +9,7 @@ from torch import nn
 from transformers import PreTrainedModel
 
 from ..config import HeadsConfig
-from ..heads import MedusaHeads, prefix_state, run_backbone
+from ..heads import MedusaHeads, run_backbone
 from .data import IGNORE_INDEX, collate
 
 HEAD_OFFSET = 2  # head k predicts the token k + HEAD_OFFSET ahead; the LM head predicts 1 ahead
@@ -60,14 +60,13 @@ def ahead_states(hidden: torch.Tensor, labels: torch.Tensor, num_heads: int) -> 
 def answer_positions(model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
                      batch_size: int, teacher: bool = False) -> Iterator[tuple[torch.Tensor, ...]]:
     """The frozen model's answer positions in `examples`, teacher-forced, a batch of examples at a time: (the heads'
-    input state [n, S] (heads.run_backbone, heads.prefix_state), targets [K, n], path [n, K]), as at_answers gives
-    them, and with `teacher` the states ahead [n, K, H] (ahead_states). Calibration and AnswerStates read the heads'
-    inputs through here."""
+    input state [n, S] (heads.run_backbone), targets [K, n], path [n, K]), as at_answers gives them, and with
+    `teacher` the states ahead [n, K, H] (ahead_states). Calibration and AnswerStates read the heads' inputs through
+    here."""
     num_heads = heads.config.num_heads
     for start in range(0, len(examples), batch_size):
         batch = {k: v.to(model.device) for k, v in collate(examples[start: start + batch_size], pad_id).items()}
         hidden, state = run_backbone(model, heads.config.feature_layers, input_ids=batch["input_ids"],
                                      attention_mask=batch["attention_mask"])
-        state = prefix_state(heads, model.get_input_embeddings(), state, batch["input_ids"])
         found = at_answers(state, batch["input_ids"], batch["labels"], num_heads)[:3]
         yield found + (ahead_states(hidden, batch["labels"], num_heads),) if teacher else found

@@ -33,8 +33,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import EvalPrediction, PreTrainedModel, Trainer, TrainingArguments, set_seed
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..config import HeadsConfig, PrefixConfig, TrainConfig
-from ..heads import MedusaHeads, prefix_state, run_backbone
+from ..config import HeadsConfig, TrainConfig
+from ..heads import MedusaHeads, run_backbone
 from ..base import load_base, untie_output_embeddings
 from ..formats import ADAPTER_DIR, MERGED_DIR, TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
@@ -166,7 +166,6 @@ class MedusaTrainingModel(nn.Module):
         if state is None:
             with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
                 hidden, states = self.hidden_states(input_ids, attention_mask)
-            states = prefix_state(self.heads, self.causal_lm.get_input_embeddings(), states, input_ids)
             state, targets, path, rows = at_answers(states, input_ids, labels, num_heads)
             ahead = ahead_states(hidden, labels, num_heads) if teacher else None
         else:
@@ -290,11 +289,10 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
     lm_head = model.get_output_embeddings()
     vocab_size = lm_head.weight.shape[0]
     wanted = HeadsConfig(hidden_size, vocab_size, config.num_heads, config.num_layers, config.projection,
-                         model.name_or_path, config.kind, config.feature_layers,
-                         prefix_shape(model) if config.prefix_layer else None)
+                         model.name_or_path, config.kind, config.feature_layers)
     num_layers = model.config.get_text_config().num_hidden_layers
     if init_heads is None:
-        heads = with_prefix(MedusaHeads(replace(wanted, prefix_layer=None), lm_head), model, wanted.prefix_layer)
+        heads = MedusaHeads(wanted, lm_head)
     else:
         heads = MedusaHeads.from_pretrained(init_heads, vocab_size=vocab_size)
         heads.check_compatible(hidden_size, vocab_size, model.name_or_path)  # another model's: say so first
@@ -304,9 +302,7 @@ def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Pa
             heads = deepened(heads, wanted.num_layers)
         if not heads.config.feature_layers and wanted.feature_layers:
             heads = with_features(heads, wanted.feature_layers)
-        if heads.config.prefix_layer is None:
-            heads = with_prefix(heads, model, wanted.prefix_layer)
-        for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers", "prefix_layer"):
+        for name in ("kind", "num_heads", "num_layers", "projection", "feature_layers"):
             if getattr(heads.config, name) != getattr(wanted, name):
                 raise ValueError(f"init heads {init_heads} have {name}={getattr(heads.config, name)!r}, "
                                  f"but training asks for {name}={getattr(wanted, name)!r}")
@@ -324,38 +320,6 @@ def with_tokens(heads: MedusaHeads) -> MedusaHeads:
         state[name] = torch.cat([state[name], state[name].new_zeros(state[name].shape[0], (k + 1) * state[name].shape[1])], 1)
     hydra.load_state_dict(state)
     return hydra
-
-
-def prefix_shape(model: PreTrainedModel) -> PrefixConfig:
-    """A prefix layer shaped as the base model's decoder layers."""
-    config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    rope = getattr(config, "rope_theta", None) or (getattr(config, "rope_parameters", None) or {}).get("rope_theta")
-    return PrefixConfig(heads, getattr(config, "num_key_value_heads", None) or heads,
-                        getattr(config, "intermediate_size", None) or 4 * config.hidden_size,
-                        float(rope or PrefixConfig.rope_theta),
-                        float(getattr(config, "rms_norm_eps", PrefixConfig.rms_norm_eps)))
-
-
-def with_prefix(heads: MedusaHeads, model: PreTrainedModel, prefix: PrefixConfig | None) -> MedusaHeads:
-    """Heads with a prefix layer that give the same logits (its output projections at zero), the rest of it copied
-    from the base model's last decoder layer where that has Llama's names and shapes (else its own initialisation);
-    `prefix` None: the heads as they are."""
-    if prefix is None:
-        return heads
-    looking = MedusaHeads(replace(heads.config, prefix_layer=prefix))
-    looking.heads.load_state_dict(heads.heads.state_dict())
-    last = dict(model.get_decoder().layers[-1].named_parameters())
-    names = {"q_proj": "self_attn.q_proj", "k_proj": "self_attn.k_proj", "v_proj": "self_attn.v_proj",
-             "gate_proj": "mlp.gate_proj", "up_proj": "mlp.up_proj", "input_norm": "input_layernorm",
-             "post_norm": "post_attention_layernorm"}
-    for mine, theirs in names.items():
-        target = getattr(looking.prefix, mine)
-        target = target.weight if isinstance(target, nn.Module) else target
-        source = last.get(theirs + ".weight")
-        if source is not None and source.shape == target.shape:
-            target.data.copy_(source.detach().float())
-    return looking
 
 
 def with_features(heads: MedusaHeads, layers: tuple[int, ...]) -> MedusaHeads:

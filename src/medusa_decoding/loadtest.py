@@ -1,4 +1,4 @@
-"""`medusa bench --concurrency`: the server under load, over real HTTP.
+"""`medusa bench --concurrency`: a load test of the server, over real HTTP.
 
 N clients on loopback, each sending its next streamed chat request as soon as its last one ends, against one
 `medusa serve` app in this process, in three modes: MEDUSA with continuous batching, plain steps with continuous
@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from .config import GenerationConfig
-from .server import Engine, create_app, serving
+from .server import Scheduler, create_app, serving
 
 MODES = ("medusa", "plain", "one-at-a-time")  # batched MEDUSA, batched plain steps, MEDUSA one request at a time
 MODEL_ID = "load-test"
@@ -86,9 +86,9 @@ def run(url: str, prompts: list[str], clients: int, per_client: int, config: Gen
     return done, time.perf_counter() - start
 
 
-def counters(engine: Engine) -> tuple[int, int, int]:
-    """The engine's forward passes, rows stepped and candidates verified so far (what its trees were)."""
-    return engine.forward_passes, engine.row_steps, engine.candidates
+def counters(scheduler: Scheduler) -> tuple[int, int, int]:
+    """The scheduler's forward passes, rows stepped and candidates verified so far (what its trees were)."""
+    return scheduler.forward_passes, scheduler.row_steps, scheduler.candidates
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -111,7 +111,7 @@ def summarize(results: list[Result], wall: float) -> dict:
 
 def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...], per_client: int,
                    config: GenerationConfig, seconds: float, progress: bool = True, repeat: int = 1) -> dict:
-    """Every concurrency in every mode on one server (one engine thread: the model is loaded on it, as `medusa serve`
+    """Every concurrency in every mode on one server (one Scheduler thread: the model is loaded on it, as `medusa serve`
     does). Answers are checked against the first one-request-at-a-time answer to each prompt. repeat: the modes run
     this many times in turn and the fastest run of each counts (a shared machine's noise only slows a run), with the
     errors and wrong answers of every run."""
@@ -120,16 +120,16 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
     if not concurrency or min(concurrency) < 1 or per_client < 1 or repeat < 1:
         raise ValueError(f"concurrency, requests per client and repeats must be positive, got {concurrency}, "
                          f"{per_client} and {repeat}")
-    engine = Engine(max_batch=max(concurrency), max_queue=max(concurrency))
-    medusa = engine.load(load_model)
+    scheduler = Scheduler(max_batch=max(concurrency), max_queue=max(concurrency))
+    medusa = scheduler.load(load_model)
     rows, answers = [], {}
-    with serving(create_app(medusa, MODEL_ID, engine)) as url:
+    with serving(create_app(medusa, MODEL_ID, scheduler)) as url:
         request(url, prompts[0], GenerationConfig(max_new_tokens=8), plain=False)  # warm-up, not timed
         for clients in concurrency:
             best: dict[str, dict] = {}
             for _ in range(repeat):
                 for mode in ("one-at-a-time", "plain", "medusa"):  # the reference answers first
-                    row = measure(url, engine, prompts, clients, mode, per_client, config, seconds, answers)
+                    row = measure(url, scheduler, prompts, clients, mode, per_client, config, seconds, answers)
                     if progress:
                         print(line(row), flush=True)
                     kept = best.get(mode, {"tokens_per_s": -1.0, "errors": 0, "wrong_answers": 0, "runs": 0})
@@ -144,14 +144,14 @@ def load_benchmark(load_model, prompts: list[str], concurrency: tuple[int, ...],
                        "seconds": seconds, "prompts": len(prompts), "repeat": repeat}, "rows": rows}
 
 
-def measure(url: str, engine: Engine, prompts: list[str], clients: int, mode: str, per_client: int,
+def measure(url: str, scheduler: Scheduler, prompts: list[str], clients: int, mode: str, per_client: int,
             config: GenerationConfig, seconds: float, answers: dict[int, str]) -> dict:
     """One run of `clients` clients in `mode` -> its row; answers: each prompt's first answer, which every later one
     must equal (a prompt answered for the first time sets it)."""
-    engine.max_batch = 1 if mode == "one-at-a-time" else clients
-    before = counters(engine)
+    scheduler.max_batch = 1 if mode == "one-at-a-time" else clients
+    before = counters(scheduler)
     results, wall = run(url, prompts, clients, per_client, config, mode == "plain", seconds)
-    passes, row_steps, candidates = (b - a for a, b in zip(before, counters(engine)))
+    passes, row_steps, candidates = (b - a for a, b in zip(before, counters(scheduler)))
     ok = [r for r in results if not r.error]
     mixed = sum(answers.setdefault(r.prompt, r.text) != r.text for r in ok)
     steps = passes - len(ok)  # less the prefills
