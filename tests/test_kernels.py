@@ -19,11 +19,10 @@ from engine_helpers import decode, greedy_reference, lively_model, random_heads,
 
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import prefill
-from medusa_decoding.decoding import PLAIN
+from medusa_decoding.decoding import PLAIN, prefill
 from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
                                      BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
-                                     guess_projection, load_native, native_build, q8_pack, q8_paths, reads_blocks,
+                                     guess_projection, load_native, native_build, q8_pack, reads_blocks,
                                      resolve_kernels, set_guess_vocab, stock_kernels, use_kernels)
 from medusa_decoding.tree import Tree
 
@@ -31,6 +30,11 @@ PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
 NEW_TOKENS = 48
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def q8_paths() -> list[str]:
+    """The instruction paths of medusa::linear_q8 this CPU runs (all give the same bits), slowest first."""
+    return [name for name in load_native().q8_path_names() if name]
 
 
 def native_copy(model):

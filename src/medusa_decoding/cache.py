@@ -1,8 +1,8 @@
 """The KV cache: `transformers`' own cache interface, its storage allocated once and grown rarely, and the
 operations MEDUSA and batching add to it.
 
-`DynamicCache` appends with `torch.cat`, copying every layer's whole cache at every step (on a 2-core CPU,
-11 of a 48 ms SmolLM2 step at a 256-token context, growing with the context). Here each layer's keys and
+`DynamicCache` appends with `torch.cat`, copying every layer's whole cache at every step (a cost that grows with
+the context). Here each layer's keys and
 values are views [B, kv_heads, S, head_dim] of buffers with room for more rows and positions, so a step writes only
 its own tokens.
 

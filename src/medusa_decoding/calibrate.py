@@ -300,7 +300,7 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     """Median seconds of one full decoding step (decoding.Batch.step: guess, verify, greedy accept, commit, on the
     engine that decodes: eager or compiled) per tree, at each of the contexts `latency_contexts` gives: (contexts [C],
     seconds [C][len(trees)]). confident: each step picks its tree's size of likeliest nodes, as such a decoder does
-    (on the host: on an H200 a step of 64 confident candidates took 10.8 ms against 7.8 for the static tree of 64).
+    (on the host path, dearer than a static tree's step).
 
     The row goes back to the prefix after every step, so each starts alike; the trees take turns (time_steps).
     """
@@ -534,7 +534,7 @@ def read_accuracy(heads_dir: str | Path) -> HeadsCalibration | None:
         record = json.loads(path.read_text())
         vocab = record.get("guess_vocab")
         vocab = None if vocab is None else torch.tensor(vocab, dtype=torch.long)
-        fit = {name: record[name] for name in FIT if name in record} if "contexts" in record else None  # batch: later
+        fit = {name: record[name] for name in FIT if name in record} if "contexts" in record else None
         return HeadsCalibration(torch.tensor(record["accuracy"], dtype=torch.float64), record.get("setup"), vocab, fit,
                                 record.get("confident_tokens"))
     except (json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as error:
@@ -547,20 +547,19 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     (`read_accuracy(heads_dir)`), as a Ladder for the guard to choose from at run time (confident: `--tree
     confident`'s, where the calibration simulated confident trees, else auto's).
 
-    The calibration's own latency fit where it was measured on this very setup (with the batch latency of its
-    trees measured now where it predates that); else one fitted now (seconds of latency measurement); either cached
-    under cache_root()/trees, keyed by model, heads, setup, the kernels' code and what is measured.
+    The calibration's own latency fit where it was measured on this very setup; else one fitted now (seconds of
+    latency measurement), cached under cache_root()/trees, keyed by model, heads, setup, the kernels' code and what
+    is measured.
     """
     here, fit, tokens = setup(medusa), calibration.fit, calibration.confident_tokens
-    own = calibration.setup == here and fit is not None  # the calibration measured this very setup
-    if own and "batch_latency_s" in fit:
+    if calibration.setup == here and fit is not None and "batch_latency_s" in fit:  # measured on this very setup
         return ladder(calibration.accuracy, **fit, confident_tokens=tokens if confident else None)
-    if not own and (fit is None or fit["sizes"] != fit_sizes(calibration.accuracy, config)):
+    if fit is None or fit["sizes"] != fit_sizes(calibration.accuracy, config):
         tokens = None  # confident trees' tokens per size of the calibration's fit: not the sizes a refit measures
     vocab = calibration.guess_vocab
     what = [medusa.model.name_or_path, asdict(medusa.heads.config), calibration.accuracy.tolist(), here, code_digest(),
             None if vocab is None else vocab.tolist(), config.max_nodes, config.latency_contexts,
-            config.batch_sizes, own, tokens]  # all the fit depends on
+            config.batch_sizes, tokens]  # all the fit depends on
     key = hashlib.sha256(json.dumps(what).encode()).hexdigest()[:24]
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():
@@ -568,12 +567,7 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
         return ladder(calibration.accuracy, **{name: record[name] for name in FIT},
                       confident_tokens=tokens if confident else None)
     print(f"tree auto: fitting the trees to {here} (once; cached in {cached.parent})", file=sys.stderr)
-    if own:  # a calibration from before batches were timed: its fit, and the batch latency of its ladder
-        fitted = replace(choose_tree(calibration.accuracy, fit["sizes"], fit["contexts"], fit["latency_s"], tokens),
-                         size=fit["size"])
-        fitted = with_batch_latency(medusa, fitted, config)
-    else:
-        fitted = fit_tree(medusa, calibration.accuracy, config, tokens)
+    fitted = fit_tree(medusa, calibration.accuracy, config, tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
     record = {"tree": [list(p) for p in fitted.tree_paths], "setup": here, "model": medusa.model.name_or_path,
               "heads": str(heads_dir), "tokens_per_s": fitted.tokens_per_s, **{name: getattr(fitted, name) for name in FIT}}

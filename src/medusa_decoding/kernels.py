@@ -231,11 +231,6 @@ def q8_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     return codes.contiguous(), scales.half().contiguous()
 
 
-def q8_paths() -> list[str]:
-    """The instruction paths of medusa::linear_q8 this CPU runs (all give the same bits), slowest first."""
-    return [name for name in load_native().q8_path_names() if name]
-
-
 def block_codes(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Finds whether a float32 weight [N, K] is exactly GGUF Q4_1 or Q8_0 blocks, as a model dequantized from
     such a file is: per block of 32 weights, w = code * d + m bitwise, d and m float16, codes 4-bit (Q4_1: m the

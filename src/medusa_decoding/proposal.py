@@ -12,8 +12,8 @@ def candidates(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, 
     root first) and the heads' top-`k` behind them. MEDUSA heads: one call, [D, B, k]. Hydra heads, level by level:
     the children of the nodes at depth d are head d's top-k given each node's path (the root and the candidates after
     it), one head call per depth; per depth the top-k of each node expanded there ([B, n_d, k], in the order of
-    tree.levels). On a GPU eagerly a level costs about a millisecond of launches, more than its arithmetic: the
-    compiled engine runs this as a graph."""
+    tree.levels). Eagerly on a GPU a level costs more in launches than in arithmetic: the compiled engine runs this
+    as a graph."""
     if heads.config.kind == "medusa":
         guesses = heads.guesses(hidden, lm_head, k, tree.depth)
         return torch.cat([root[:, None], guesses[tree.heads, :, tree.ranks].T], 1), guesses

@@ -40,7 +40,7 @@ class Tree:
     children: tuple[tuple[int, ...], ...]  # [N+1] each node's children, by rank
     chains: torch.Tensor  # [N+1, D+1] root-to-node indices of every node, PAD-filled
     # per depth d < D: (the nodes at d that have children [n], their children [m], each child's parent among those n
-    # [m]): what one head call per depth expands (decoding.expand)
+    # [m]): what one head call per depth expands (proposal.candidates)
     levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
 
     @property
