@@ -53,7 +53,19 @@ def questions(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def greedy(tiny, questions) -> dict:
-    return benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    return benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False)
+
+
+def test_lookup_drafts_run_beside_medusa_without_them(tiny, questions):
+    """With lookup drafts on, MEDUSA without them runs on every turn too, a rival held to plain decoding, and each
+    category says how many of MEDUSA's tokens a step the drafts gave."""
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    overall = report["overall"]
+    assert set(overall["tokens_per_s"]) == {*DECODERS, bench_module.NO_LOOKUP} and report["lossless"] is True
+    assert set(overall["rivals"]) == {bench_module.NO_LOOKUP} and overall["rivals"][bench_module.NO_LOOKUP]["speedup"] > 0
+    drafted = [s["drafted_per_step"] for s in [overall, *report["categories"].values()]]
+    assert all(0 <= d <= overall["acceleration_rate"] for d in drafted)
+    assert "drafted" in table(report)
 
 
 def test_report_schema(greedy):
@@ -118,7 +130,7 @@ def test_lossless_false_when_medusa_differs(tiny, questions, monkeypatch):
         return leaf[leaf >= 0], root
 
     monkeypatch.setitem(RULES, "greedy", accept_a_whole_leaf_path)
-    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False)
     assert report["lossless"] is False
     first = report["turns"][0]["medusa"]  # where it parted from plain, for a reader to look at
     assert not first["same_as_plain"] and first["agreed_with_plain"] < TOKENS
@@ -147,7 +159,7 @@ def test_nothing_compiles_on_the_clock(tiny, questions, monkeypatch):
 
     monkeypatch.setattr(bench_module, "run_decoder", counting)
     benchmark(medusa, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, rivals=rivals)
-    timed = (len(DECODERS) + len(rivals)) * len(questions[0].turns)
+    timed = (len(DECODERS) + len(rivals) + 1) * len(questions[0].turns)  # + MEDUSA without its lookup drafts
     assert graphs[-timed] > graphs[0]  # the warm-up compiled
     assert graphs[-1] == graphs[-timed] == torch._dynamo.utils.counters["stats"]["unique_graphs"]
 
@@ -163,25 +175,25 @@ def test_repeat_counts_each_decoders_fastest_run_and_rotates_who_goes_first(tiny
         return out
 
     monkeypatch.setattr(bench_module, "run_decoder", timed)
-    outputs = bench_module.answer_turn(tiny, tiny.encode("w1 w2"), GenerationConfig(max_new_tokens=TOKENS), 0,
+    outputs = bench_module.answer_turn(tiny, tiny.encode("w1 w2"), GenerationConfig(max_new_tokens=TOKENS, lookup=0), 0,
                                        repeat=3)
     rounds = [calls[i: i + len(DECODERS)] for i in range(0, len(calls), len(DECODERS))]
     assert [r[0] for r in rounds] == list(DECODERS) and all(sorted(r) == sorted(DECODERS) for r in rounds)
     assert {name: out.seconds for name, out in outputs.items()} == {name: 1.0 for name in DECODERS}
     with pytest.raises(ValueError, match="repeat"):  # sampling without a seed: the runs differ
-        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, temperature=0.8), progress=False,
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0, temperature=0.8), progress=False,
                   repeat=2)
     with pytest.raises(ValueError, match="repeat"):
-        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, repeat=0)
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False, repeat=0)
 
 
 def test_typical_at_temperature_zero_is_checked(tiny, questions):
-    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, acceptance="typical"), progress=False)
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0, acceptance="typical"), progress=False)
     assert report["lossless"] is True and report["config"]["rule"] == "typical"
 
 
 def test_sampling_lossless_is_null(tiny, questions):
-    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, temperature=0.8, seed=0), progress=False)
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0, temperature=0.8, seed=0), progress=False)
     assert report["lossless"] is None and report["matches_transformers"] is None
     assert report["overall"]["totals"]["transformers"]["new_tokens"] > 0
 
@@ -199,7 +211,7 @@ ACCURACY = torch.tensor([[0.6, 0.2], [0.4, 0.1], [0.3, 0.1]], dtype=torch.float6
 
 @pytest.fixture(scope="module")
 def predicted(tiny, questions) -> dict:
-    config = GenerationConfig(max_new_tokens=TOKENS)
+    config = GenerationConfig(max_new_tokens=TOKENS, lookup=0)
     return benchmark(tiny, questions[:2], config, progress=False, accuracy=ACCURACY, sweep=(1, 3, 6))
 
 
@@ -236,17 +248,17 @@ def test_prediction_table_and_three_panel_plot(predicted, tmp_path):
 
 def test_sweep_needs_an_accuracy_table_and_sizes_the_heads_allow(tiny, questions):
     with pytest.raises(ValueError, match="sweep: needs"):
-        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, sweep=(2,))
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False, sweep=(2,))
     with pytest.raises(ValueError, match="at most 14 nodes"):  # 2 + 4 + 8
-        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False, accuracy=ACCURACY,
+        benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False, accuracy=ACCURACY,
                   sweep=(15,))
 
 
 def test_benchmark_refuses_nothing_and_stop_strings(tiny, questions):
     with pytest.raises(ValueError, match="questions: none to run"):
-        benchmark(tiny, [], GenerationConfig(max_new_tokens=TOKENS), progress=False)
+        benchmark(tiny, [], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False)
     with pytest.raises(ValueError, match="stop"):
-        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, stop=("w1",)), progress=False)
+        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, lookup=0, stop=("w1",)), progress=False)
 
 
 def test_agreed_prefix_counts_the_tokens_before_the_first_difference():
@@ -306,7 +318,7 @@ def test_cli_end_to_end(tmp_path, capsys):
     hydra = random_heads(tiny_model("llama"), num_heads=2, kind="hydra")
     hydra.save_pretrained(tmp_path / "hydra")
     main(["bench", "--questions", questions, "--model", str(model_dir), "--max-new-tokens", "6", "--limit", "1",
-          "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1",
+          "--categories", "coding", "--json", str(out), "--plot", str(png), "--threads", "1", "--lookup", "0",
           "--rival", f"hydra={tmp_path / 'hydra'}", "--rival", "sure=@confident:3", "--rival", "flat=@[]+eager"])
     report = json.loads(out.read_text())
     assert report["config"]["kind"] == "medusa"
@@ -330,7 +342,7 @@ def test_rivals_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_p
     hydra = tiny.with_heads(random_heads(tiny.model, num_heads=3, kind="hydra"), Tree.from_spec(TREE))
     sure = tiny.with_heads(tiny.heads, "confident:4")
     rivals = {"hydra": hydra, "sure": sure}
-    report = benchmark(tiny, questions[:2], GenerationConfig(max_new_tokens=TOKENS), progress=False, rivals=rivals)
+    report = benchmark(tiny, questions[:2], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False, rivals=rivals)
     assert report["lossless"] is True and all({"hydra", "sure"} <= set(turn) for turn in report["turns"])
     totals, speed = report["overall"]["totals"], report["overall"]["tokens_per_s"]
     assert list(speed) == ["medusa", "plain", "transformers", "hydra", "sure"]
@@ -345,7 +357,7 @@ def test_rivals_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_p
     plot(report, tmp_path / "r.png")
     generate = hydra.generate
     monkeypatch.setattr(hydra, "generate", lambda ids, config: replace_tokens(generate(ids, config=config)))
-    assert benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
+    assert benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False,
                      rivals={"hydra": hydra})["lossless"] is False
 
 
@@ -358,7 +370,7 @@ def test_a_rival_on_the_other_engine_is_held_to_plain_decoding_on_that_engine(ti
     monkeypatch.setattr(rival, "generate", lambda ids, config, medusa=True: replace_tokens(
         generate(ids, config=replace(config, medusa=medusa))))
     monkeypatch.setattr(rival, "warm_up", lambda *args, **kwargs: None)
-    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS), progress=False,
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False,
                        rivals={"other": rival})
     assert report["lossless"] is True
     for turn in report["turns"]:
@@ -401,7 +413,7 @@ class FakeLlama:
 
 def test_llama_cpp_runs_as_a_fourth_decoder_with_both_engines_step_latency(tiny, questions, tmp_path):
     llama = FakeLlama(tiny.model)
-    report = benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS), progress=False, llama=llama)
+    report = benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False, llama=llama)
     overall = report["overall"]
     assert set(overall["tokens_per_s"]) == {*DECODERS, bench_module.LLAMA_CPP}
     assert overall["speedup_vs_llama_cpp"] == pytest.approx(
@@ -418,7 +430,7 @@ def test_llama_cpp_runs_as_a_fourth_decoder_with_both_engines_step_latency(tiny,
     plot(report, tmp_path / "four.png")
     assert (tmp_path / "four.png").read_bytes()[:4] == b"\x89PNG"
     with pytest.raises(ValueError, match="greedy"):
-        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, temperature=1.0), progress=False, llama=llama)
+        benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, lookup=0, temperature=1.0), progress=False, llama=llama)
 
 
 def test_llama_cpp_not_installed_is_named_with_its_install_command(tmp_path, capsys, monkeypatch):

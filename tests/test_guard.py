@@ -45,7 +45,7 @@ def opened(ladder: Ladder) -> Guard:
 
 def sizes_used(model, heads, ladder: Ladder, reference: list[int]) -> list[int]:
     """Decodes with the guard; asserts the output is the greedy reference; returns each step's tree size."""
-    steps = list(decode(model, heads, PROMPT, GenerationConfig(max_new_tokens=len(reference)), ladder))
+    steps = list(decode(model, heads, PROMPT, GenerationConfig(lookup=0, max_new_tokens=len(reference)), ladder))
     assert [t for new, _ in steps for t in new] == reference
     return [size for _, size in steps[1:]]
 
@@ -127,7 +127,7 @@ def test_what_each_tree_would_have_yielded_is_what_verifying_it_accepts(llama, m
     monkeypatch.setattr(Guard, "count_tokens", watched)
     sizes_used(model, oracle, ladder, reference)
     assert len(seen) > 20 and any(len(set(ys)) > 2 for _, ys in seen)  # trees that differ in what they yield
-    config = GenerationConfig(max_new_tokens=oracle.config.num_heads + 2)  # no tree cut at the budget
+    config = GenerationConfig(lookup=0, max_new_tokens=oracle.config.num_heads + 2)  # no tree cut at the budget
     for start, ys in seen[::3]:
         prompt = torch.cat([PROMPT, torch.tensor(reference[: start - 1], dtype=torch.long)])  # root: reference[start-1]
         for tree, expected in zip(ladder.trees, ys):
@@ -260,7 +260,7 @@ def test_a_seeded_sampled_run_repeats_however_long_its_steps_take(llama, monkeyp
     """Rejection sampling draws differently over different trees, and the guard's picks follow step times: a run
     with a seed must not, or --seed would not repeat it."""
     model, _, oracle = llama
-    config = GenerationConfig(max_new_tokens=64, temperature=1.0, seed=5)
+    config = GenerationConfig(lookup=0, max_new_tokens=64, temperature=1.0, seed=5)
 
     def sample(clock_seed: int) -> list[int]:
         jitter = torch.Generator().manual_seed(clock_seed)

@@ -126,7 +126,7 @@ def scripted(steps: list[tuple[list[int], int]]):
     first, then one a step, done after the last."""
 
     class Row:
-        done = len(steps) == 1
+        done, drafted = len(steps) == 1, 0
 
     class Scripted:
         def __init__(self, model, heads, compiled=False):

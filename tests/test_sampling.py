@@ -117,6 +117,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
     ("engine, compiled", {}),  # fixed-shape steps: logits from the graph, the rule on them
+    ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
 ])
@@ -134,6 +135,11 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     tree = Tree.from_spec(WIDE)
     if verifier.endswith("confident trees"):
         tree = Ladder.fixed(tree, confident=True)
+    if verifier.endswith("lookup drafts alone"):  # every verifier but this one has the drafts beside the heads
+        tree = PLAIN
+        sizes = [size for seed in range(20) for _, size in decode(model, heads, PROMPT, config, tree,
+                                                                  generator=torch.Generator().manual_seed(seed))]
+        assert sum(sizes) >= 10  # the drafts' nodes were verified
     if verifier.endswith("sampled tokens"):
         trees = (PLAIN, Tree.from_spec([[0]]), Tree.from_spec([[0], [1]]), tree)  # each holding the ones before
         tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))

@@ -35,6 +35,7 @@ from .tree import Tree
 DECODERS = ("medusa", "plain", "transformers")
 LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
 OTHER_ENGINES = ("transformers", LLAMA_CPP)  # their tokens are not held to plain decoding's (lossless)
+NO_LOOKUP = "medusa, no lookup"  # MEDUSA's heads alone, where the config has lookup drafts: what the drafts add
 OWN_PLAIN = "/plain"  # NAME/plain: plain decoding on a rival's engine where it is not MEDUSA's, the rival's reference
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
@@ -56,9 +57,11 @@ class Totals:
     steps: int = 0
     seconds: float = 0.0
     accept_lengths: Counter = field(default_factory=Counter)
+    drafted: int = 0  # tokens only a lookup draft proposed
 
     def add(self, out: GenerationOutput) -> None:
         self.new_tokens += len(out.token_ids)
+        self.drafted += sum(out.drafted)
         self.steps += out.steps
         self.seconds += out.seconds
         self.accept_lengths.update(out.accept_lengths)
@@ -146,6 +149,8 @@ def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: Gener
         return rivals[name].generate(ids, config=config)
     if rivals and name.removesuffix(OWN_PLAIN) in rivals:  # engines round differently: each is held to its own plain
         return rivals[name.removesuffix(OWN_PLAIN)].generate(ids, config=config, medusa=False)
+    if name == NO_LOOKUP:
+        return medusa.generate(ids, config=replace(config, lookup=0))
     if name == "transformers":
         return hf_generate(medusa, ids, config)
     if name == LLAMA_CPP:
@@ -163,6 +168,7 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     names = DECODERS + tuple(rivals or ()) + tuple(f"{name}{OWN_PLAIN}" for name, view in (rivals or {}).items()
                                                    if view.compiled != medusa.compiled)
     names += (LLAMA_CPP,) if llama is not None else ()
+    names += (NO_LOOKUP,) if config.lookup else ()
     fastest: dict[str, GenerationOutput] = {}
     for round_ in range(repeat):
         shift = (turn + round_) % len(names)
@@ -208,6 +214,8 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     # the compiled engine compiles a tree size on its first step: never on the clock (nor a tree the guard picks later)
     for view in (medusa, *(rivals or {}).values(), *swept):
         view.warm_up(warmup, config, WARMUP_TOKENS)
+    if config.lookup:  # MEDUSA without its drafts steps at shapes of its own
+        medusa.warm_up(warmup, replace(config, lookup=0), WARMUP_TOKENS)
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)
@@ -383,6 +391,7 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "new_tokens": medusa.new_tokens,
         "steps": medusa.steps,
         "accept_lengths": {str(n): medusa.accept_lengths[n] for n in sorted(medusa.accept_lengths)},
+        "drafted_per_step": ratio(medusa.drafted, medusa.steps),  # of its tokens a step, those the lookup drafts gave
         "tree_sizes": {str(n): trees[n] for n in sorted(trees)},  # MEDUSA's steps by candidates verified
         "mean_tree_size": ratio(sum(n * c for n, c in trees.items()), trees.total()),
         "plain_step_share": ratio(trees[0], trees.total()),
@@ -426,13 +435,15 @@ def report(turns: list, config: GenerationConfig, device: torch.device) -> dict:
 def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
-              f"{'tokens/step':>11} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} {'vs HF':>6}")
+              f"{'tokens/step':>11} {'drafted':>7} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} "
+              f"{'vs HF':>6}")
     llama, rivals = "speedup_vs_llama_cpp" in report["overall"], list(report["overall"].get("rivals", {}))
     rows = [header + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
         speed = s["tokens_per_s"]
         rows.append(f"{name[:14]:<14} {s['turns']:>5} {s['new_tokens']:>7} {speed['medusa']:>12.1f} {speed['plain']:>11.1f} "
-                    f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['mean_tree_size']:>5.1f} "
+                    f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['drafted_per_step']:>7.2f} "
+                    f"{s['mean_tree_size']:>5.1f} "
                     f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
                     f"{s['speedup_vs_transformers']:>5.2f}x"
                     + (f" {speed[LLAMA_CPP]:>15.1f} {s['speedup_vs_llama_cpp']:>11.2f}x" if llama else ""))
@@ -445,8 +456,8 @@ def table(report: dict) -> str:
                 rows.append(f"{rival[:22]:<22} {name[:14]:<14} {s['tokens_per_s'][rival]:>7.1f} "
                             f"{r['acceleration_rate']:>11.2f} {r['overhead']:>8.2f} {r['speedup']:>7.2f}x "
                             f"{r['speedup_vs_transformers']:>5.2f}x {r['speedup_vs_medusa']:>8.2f}x")
-    rows.append("tree: MEDUSA's mean candidates per step; plain steps: its steps that verified no candidate (the "
-                "guard of --tree auto)")
+    rows.append("drafted: of MEDUSA's tokens a step, those only its lookup drafts proposed; tree: its mean candidates "
+                "per step; plain steps: its steps that verified no candidate (the guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     if report["lossless"] is False:
         parted = [f"{name} at token {record['agreed_with_plain']} of q{turn['question_id']}.{turn['turn']}"

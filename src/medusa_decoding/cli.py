@@ -53,6 +53,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES + ("auto",), default=DEFAULTS.acceptance)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    add_lookup_argument(parser)
+
+
+def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--lookup", type=int, default=DEFAULTS.lookup,
+                        help="lookup drafts: at most this many tokens a step copied from where the text's last tokens "
+                        "occurred before, verified beside the heads' candidates when they pay (0: none)")
 
 
 def load(args):
@@ -217,9 +224,9 @@ def cmd_bench(args) -> None:
     import torch
 
     from . import default_model, llamacpp
+    from .base import context_limit
     from .bench import benchmark, plot, read_questions, table
     from .calibrate import read_accuracy
-    from .base import context_limit
 
     if args.threads is not None:
         if args.threads < 1:
@@ -228,8 +235,7 @@ def cmd_bench(args) -> None:
     categories = [c.strip() for c in args.categories.split(",") if c.strip()] if args.categories else None
     # before the model loads: bad input fails at once
     questions = read_questions(args.questions, categories, args.limit, args.per_category)
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                              acceptance=args.acceptance, seed=args.seed)
+    config = generation_config(args)
     if args.concurrency:
         return bench_serving(args, [q.turns[0] for q in questions], config)
     sweep = tuple(sorted({int(n) for n in args.sweep.split(",")})) if args.sweep else ()
@@ -477,6 +483,7 @@ def main(argv=None) -> None:
     p.add_argument("--top-p", type=float, default=DEFAULTS.top_p)
     p.add_argument("--acceptance", choices=ACCEPTANCE_RULES + ("auto",), default=DEFAULTS.acceptance)
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    add_lookup_argument(p)
     p.add_argument("--limit", type=int, help="only the first N questions (after --categories)")
     p.add_argument("--categories", help="comma-separated categories to keep, e.g. writing,coding")
     p.add_argument("--per-category", type=int, help="only the first N questions of each category (a balanced sample)")

@@ -23,7 +23,6 @@ Triton on a GPU), kernels.resolve_kernels says so in one line.
 """
 
 import functools
-import os
 import types
 import weakref
 
@@ -32,7 +31,6 @@ from torch.utils._pytree import tree_map
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
-from .default_model import cache_root
 from .base import context_limit
 from .heads import run_backbone
 from .proposal import candidates
@@ -69,11 +67,9 @@ def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tens
 
 def compile_settings(device_type: str) -> dict:
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)  # tree sizes x batches
-    # what inductor compiles stays in the project's cache (not /tmp, which a reboot clears): a second run compiles none
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_root() / "inductor"))
     if device_type == "cuda":  # mode="reduce-overhead", as an option: torch.compile takes a mode or options, not both
         return {"dynamic": False, "options": {"triton.cudagraphs": True}}
-    # inductor's size asserts re-check every op output that the fixed shapes already fix (~1 ms a CPU step)
+    # inductor's size asserts re-check every op output that the fixed shapes already fix
     return {"dynamic": False, "options": {"size_asserts": False}}
 
 
@@ -82,8 +78,8 @@ STEPS = weakref.WeakKeyDictionary()  # model -> {step function: its compiled cop
 
 def model_graph(function, model: PreTrainedModel, fullgraph: bool = False, **options):
     """`function` (verify_graph, device_graph) compiled for `model` alone, without guards on its modules. Dynamo
-    would otherwise re-check some 7000 attributes of the model's modules before every step (1.4 ms of a 9 ms SmolLM2
-    step on a 2-core EPYC), for changes the engine never makes once use_kernels has run; the inputs' shapes stay
+    would otherwise re-check some 7000 attributes of the model's modules before every step, for changes the engine
+    never makes once use_kernels has run; the inputs' shapes stay
     guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model gets a
     copy of the function's code: no model ever runs a graph traced through another's modules. fullgraph: a graph
     break is an error; options: inductor's, over compile_settings'."""
@@ -148,9 +144,10 @@ class Compiled:
         if packed.tokens.shape[1] == 1:  # a plain step's token is in place already
             return kv.commit(cache, packed.lengths, paths)
         device = packed.on_device.device
-        shape = (device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), self.width)
+        width = self.width if max(map(len, paths)) <= self.width else packed.tokens.shape[1]  # a draft's chain: deeper
+        shape = (device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), width)
         if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
-            moves = torch.tensor([path + list(range(len(path), self.width)) for path in paths], device=device)
+            moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=device)
             graph(kv.gather_paths, device.type)(cache, packed.on_device, moves)
             MOVED.add(shape)
         kv.settle(cache, packed.lengths, paths)

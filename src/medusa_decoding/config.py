@@ -60,6 +60,9 @@ class GenerationConfig:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     medusa: bool = True  # False: plain one-token-per-step decoding in the same engine
+    # lookup drafts (lookup.py): at most this many tokens a step copied from where the text's last few tokens occurred
+    # before, verified beside the heads' candidates, each step only as many as pay for their time; 0: none
+    lookup: int = 8
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE_RULES + ("auto",):
@@ -72,6 +75,8 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
+        if not isinstance(self.lookup, int) or self.lookup < 0:
+            raise ValueError(f"lookup must be a non-negative integer, got {self.lookup!r}")
         if self.acceptance == "greedy" and self.temperature > 0:
             raise ValueError("acceptance 'greedy' needs temperature 0; use 'typical' or 'rejection' to sample")
         object.__setattr__(self, "stop", tuple(self.stop))

@@ -182,6 +182,10 @@ class Guard:
             return self.ladder.trees[0], None
         return tree, self.watched
 
+    def expected(self) -> float:
+        """Tokens a step of the tree in use is expected to yield."""
+        return self.tokens[self.choice]
+
     def record(self, guesses: torch.Tensor | dict | tuple | None, new: list[int], seconds: float | None, context: int
                ) -> None:
         """After a step: its guesses (decoding.propose's, or None), the tokens it produced, its seconds (None:

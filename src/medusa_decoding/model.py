@@ -38,6 +38,7 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)  # per forward pass, the tokens only a lookup draft proposed
     text: str = ""
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # the prefill, to the first token
@@ -65,6 +66,7 @@ class Step(NamedTuple):
     # why the request ended at this step, as OpenAI's finish_reason: "stop" (EOS or a stop string) or "length" (its
     # token budget); None while it runs
     finish: str | None = None
+    drafted: int = 0  # of `tokens`, those only a lookup draft proposed (lookup.py)
 
     @property
     def done(self) -> bool:
@@ -376,7 +378,7 @@ class Requests:
             finish = "stop" if stop_at is not None or generated[-1] in self.medusa.eos_ids else "length"
             self.finish(row)
             text = text if stop_at is not None else self.medusa.decode(generated)  # the whole answer, once
-        return key, Step(new, text, tree_size, finish)
+        return key, Step(new, text, tree_size, finish, min(row.drafted, len(new)))
 
     def finish(self, row: Row) -> None:
         del self.by_row[row]
@@ -396,6 +398,7 @@ def record(out: GenerationOutput, step: Step) -> None:
     out.token_ids += step.tokens
     out.accept_lengths.append(len(step.tokens))
     out.tree_sizes.append(step.tree_size)
+    out.drafted.append(step.drafted)
     out.text, out.finish = step.text, step.finish
 
 

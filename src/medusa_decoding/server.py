@@ -64,6 +64,7 @@ class MedusaOptions(Strict):
     top_k: int | None = None
     typical_epsilon: float | None = None
     typical_delta: float | None = None
+    lookup: int | None = None  # lookup drafts: at most this many tokens a step (GenerationConfig.lookup)
 
 
 class TextPart(Strict):

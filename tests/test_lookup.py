@@ -1,0 +1,170 @@
+"""The lookup index proposes what a plain search of the stream would: the continuation of the latest earlier
+occurrence of the longest recurring suffix."""
+
+import random
+
+import pytest
+import torch
+from conftest import FAMILIES
+from engine_helpers import greedy_reference, lively_model, random_heads
+
+from medusa_decoding.config import GenerationConfig
+from medusa_decoding.decoding import PLAIN, Batch
+from medusa_decoding.guard import Ladder
+from medusa_decoding.lookup import FIXED_NODE_COST, LOOKUP_RANK, Lookup, LookupDraft, graft, step_cost
+from medusa_decoding.tree import Tree
+
+
+def brute_force(stream: list[int], length: int, max_ngram: int) -> tuple[list[int], int]:
+    """Searches the whole stream, longest suffix first, latest occurrence first (never the suffix itself)."""
+    if length == 0:
+        return [], 0
+    for n in range(max_ngram, 0, -1):
+        if n > len(stream):
+            continue
+        for i in range(len(stream) - 2, n - 2, -1):
+            if stream[i - n + 1 : i + 1] == stream[-n:]:
+                return stream[i + 1 : i + 1 + length], n
+    return [], 0
+
+
+@pytest.mark.parametrize("max_ngram", [1, 2, 4])
+def test_matches_brute_force_on_random_streams(max_ngram):
+    rng = random.Random(max_ngram)
+    states = matched = longest = 0
+    for _ in range(100):
+        vocab = rng.randint(3, 8)
+        size = rng.randint(1, 300)
+        stream = [rng.randrange(vocab) for _ in range(size)]
+        prompt = rng.randint(0, size)
+        lookup = Lookup(stream[:prompt], max_ngram=max_ngram)
+        at = prompt
+        while True:
+            assert lookup.tokens == stream[:at]
+            for length in (0, 1, 3, 8):
+                assert lookup.propose(length) == brute_force(stream[:at], length, max_ngram), (stream[:at], length)
+            confidence = brute_force(stream[:at], 1, max_ngram)[1]
+            states += 1
+            matched += confidence > 0
+            longest += confidence == max_ngram
+            if at == size:
+                break
+            chunk = rng.choice([0, 0, 1, 1, 2, 5, 17])  # empty chunks too
+            lookup.extend(stream[at : at + chunk])
+            at = min(at + chunk, size)
+    # the search is only checked where it finds something: most states must have a match, many of full length
+    assert states > 1500
+    assert matched > states * 3 // 4
+    assert longest > states // 10
+
+
+def test_a_repeated_sentence_proposes_its_continuation():
+    sentence = [10, 11, 12, 13, 14, 15]
+    lookup = Lookup([1, 2] + sentence + [3] + sentence[:3])
+    assert lookup.propose(3) == ([13, 14, 15], 3)
+    lookup.extend([13])
+    assert lookup.propose(8) == ([14, 15, 3, 10, 11, 12, 13], 4)
+
+
+def test_no_repeat_proposes_nothing():
+    assert Lookup([1, 2, 3, 4, 5]).propose(4) == ([], 0)
+    assert Lookup([7]).propose(4) == ([], 0)
+    assert Lookup().propose(4) == ([], 0)
+
+
+def test_length_zero_proposes_nothing():
+    assert Lookup([1, 2, 1, 2]).propose(0) == ([], 0)
+
+
+def test_the_longest_match_wins_over_a_later_shorter_one():
+    # "1 2 3" was followed by 7 long ago; "3" alone was followed by 9 more recently
+    lookup = Lookup([1, 2, 3, 7, 0, 3, 9, 0, 1, 2, 3])
+    assert lookup.propose(2) == ([7, 0], 3)
+    # with bigrams only, "2 3" still beats the later "3"
+    assert Lookup([1, 2, 3, 7, 0, 3, 9, 0, 1, 2, 3], max_ngram=2).propose(1) == ([7], 2)
+
+
+def test_the_latest_occurrence_wins_and_the_continuation_runs_into_the_suffix():
+    lookup = Lookup([5, 1, 5, 2, 5])
+    assert lookup.propose(3) == ([2, 5], 1)  # after the latest earlier 5, cut at the stream's end
+    repeating = Lookup([4, 4, 4])
+    assert repeating.propose(5) == ([4], 2)  # "4 4" ended at 1, followed only by the stream's last 4
+
+
+def test_max_ngram_one_looks_at_the_last_token_only():
+    lookup = Lookup([1, 2, 8, 3, 2, 9, 1, 2], max_ngram=1)
+    assert lookup.propose(2) == ([9, 1], 1)  # the latest 2, although "1 2" was followed by 8
+    with pytest.raises(ValueError):
+        Lookup(max_ngram=0)
+
+
+def test_a_chain_follows_the_heads_path_where_they_agree_then_hangs_its_own_nodes():
+    tree = Tree.from_spec([[0], [1], [0, 0]])  # nodes: 1 (0,), 2 (1,), 3 (0, 0)
+    tokens = [10, 20, 21, 30]  # the root, then the heads' tokens of nodes 1..3
+    merged, merged_tokens, nodes = graft(tree, tokens, [20, 30, 40, 50])  # (0,) and (0, 0) agree, then its own
+    token_of = dict(zip(merged.paths, merged_tokens[1:]))
+    assert merged.num_nodes == tree.num_nodes + 2 and merged_tokens[0] == 10
+    assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:]))  # the heads' nodes as they were
+    own = (0, 0, LOOKUP_RANK)
+    assert [merged.paths[node - 1] for node in nodes] == [(0,), (0, 0), own, own + (LOOKUP_RANK,)]
+    assert [merged_tokens[node] for node in nodes] == [20, 30, 40, 50]
+    assert [int(merged.parents[node]) for node in nodes] == [0] + nodes[:-1]  # one root path
+
+    other, other_tokens, other_nodes = graft(tree, tokens, [99, 20])  # disagrees at once: its own branch
+    assert [other.paths[n - 1] for n in other_nodes] == [(LOOKUP_RANK,), (LOOKUP_RANK, LOOKUP_RANK)]
+    assert [other_tokens[n] for n in other_nodes] == [99, 20]
+    assert graft(tree, tokens, []) == (tree, tokens, [])
+
+
+def test_the_chain_is_as_long_as_its_expected_tokens_pay_for():
+    draft = LookupDraft([1, 2, 3, 4, 5, 6, 1, 2, 3], max_length=8)  # "1 2 3" recurs: 4 5 6 1 2 3 follows
+    free, dear = (lambda n: 1.0), (lambda n: 1 + 10 * n)
+    assert draft.chain(budget=8, tokens=1.0, cost=free) == [4, 5, 6, 1, 2, 3]
+    assert draft.chain(budget=2, tokens=1.0, cost=free) == [4, 5]  # never past the budget
+    assert draft.chain(budget=8, tokens=1.0, cost=dear) == []
+    assert LookupDraft([1, 2, 3], max_length=8).chain(8, 1.0, free) == []  # nothing recurs
+
+
+def test_chains_that_miss_make_the_next_ones_shorter():
+    draft = LookupDraft([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], max_length=8)
+    cost = lambda n: 1 + 0.1 * n  # noqa: E731
+    before = len(draft.chain(8, 1.0, cost))
+    for _ in range(20):
+        chain = draft.chain(8, 1.0, cost)
+        draft.record(list(range(1, len(chain) + 1)), [0], [])  # nothing of it accepted
+    after = len(draft.chain(8, 1.0, cost))
+    assert before == 2 and after == 0 and draft.right[2] < 0.15  # the 3-token match missed
+    draft.record([1, 2], [0, 1, 2], [4, 5, 6])  # both right: counted, and the answer extends the index
+    assert draft.index.tokens[-3:] == [4, 5, 6]
+
+
+def test_a_chain_costs_what_the_calibrated_latencies_say_of_a_larger_step():
+    trees = tuple(Tree.from_spec([[i] for i in range(n)]) for n in (0, 1, 2, 4))  # 1, 2, 3 and 5 nodes
+    ladder = Ladder(trees, (1.0, 1.3, 1.5, 1.7), (100,), ((10.0, 11.0, 12.0, 14.0),))
+    assert [round(step_cost(ladder, 100, 1, 1)(n), 6) for n in range(5)] == [1.0, 1.1, 1.2, 1.3, 1.4]
+    assert round(step_cost(ladder, 100, 1, 5)(1), 6) == round(15 / 14, 6)  # past the largest: its last segment
+    assert step_cost(Ladder.fixed(trees[1]), 100, 1, 2)(3) == 1 + 3 * FIXED_NODE_COST
+
+
+REPEATING = torch.tensor([5, 9, 12, 30, 7, 5, 9, 12, 30, 7, 5, 9])  # its continuation is in it
+NEVER = torch.arange(10, 22)  # no token twice
+
+
+@pytest.mark.parametrize("heads", ["medusa", "hydra", "none"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_decoding_with_lookup_drafts_is_plain_decoding(family, heads):
+    """Every row of a batch, prompts that repeat and prompts that never do, gets transformers' greedy tokens, with
+    the drafts' chains verified beside the heads' candidates (or alone, without heads) at many steps."""
+    model = lively_model(family, seed=FAMILIES.index(family))
+    heads = None if heads == "none" else random_heads(model, kind=heads)
+    tree = PLAIN if heads is None else Tree.from_spec([2, 1])  # without heads, plain steps plus the drafts
+    prompts, budgets = (REPEATING, NEVER, REPEATING[:7]), (40, 33, 25)
+    batch = Batch(model, heads)
+    rows = [batch.join(p, GenerationConfig(max_new_tokens=n, lookup=6), tree) for p, n in zip(prompts, budgets)]
+    produced, grafted = {id(row): [row.root] for row in rows}, 0
+    while batch.rows:
+        for row, new, size in batch.step():
+            produced[id(row)] += new
+            grafted += size > tree.num_nodes - 1
+    assert [produced[id(row)] for row in rows] == [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
+    assert grafted >= 10  # chains were verified (random models seldom repeat: few are right, and then offered less)
