@@ -386,11 +386,15 @@ class Requests:
             self.batch.leave(row)
 
 
-def admit(waiting: deque, running: int, max_batch: int) -> list:
-    """Takes from the front of `waiting` what may join `running` requests in a batch of at most `max_batch`: how both
-    MedusaModel.run_batch and the server's Scheduler admit requests, and where max_batch is checked."""
+def check_max_batch(max_batch: int) -> None:
     if not isinstance(max_batch, int) or max_batch < 1:
         raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
+
+
+def admit(waiting: deque, running: int, max_batch: int) -> list:
+    """Takes from the front of `waiting` what may join `running` requests in a batch of at most `max_batch`: how both
+    MedusaModel.run_batch and the server's Scheduler admit requests."""
+    check_max_batch(max_batch)
     return [waiting.popleft() for _ in range(min(len(waiting), max_batch - running))]
 
 

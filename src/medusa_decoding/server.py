@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException
 
 from .base import check_context
 from .config import GenerationConfig, ServerConfig
-from .model import GenerationOutput, MedusaModel, Requests, TextPieces, admit, record
+from .model import GenerationOutput, MedusaModel, Requests, TextPieces, admit, check_max_batch, record
 
 # request field -> GenerationConfig field; the later of two aliases wins
 OPENAI_FIELDS = {
@@ -209,7 +209,7 @@ class Scheduler:
         self.max_batch, self.max_queue = max_batch, max_queue
         self.lock = threading.Condition()
         self.waiting: deque[Job] = deque()  # guarded by lock
-        admit(self.waiting, 0, max_batch)  # admits nothing yet (none waits): checks max_batch before the first request
+        check_max_batch(max_batch)  # before the first request
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
         self.running = 0  # rows in the batch, by the worker
         self.started = self.closed = False
