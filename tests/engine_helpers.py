@@ -9,7 +9,8 @@ from conftest import tiny_model
 from medusa_decoding import cache as kv
 from medusa_decoding.config import GenerationConfig, HeadsConfig
 from medusa_decoding.decoding import Batch
-from medusa_decoding.eager import forward
+from medusa_decoding.eager import step_forward
+from medusa_decoding.fused import layer_weights
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.tree import Tree
@@ -153,8 +154,11 @@ def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, layers: tuple[int, ...] = ()):
-    """One row's forward pass over all N+1 nodes -> logits [N+1, V], the heads' input states [N+1, (1 + L) H]."""
+    """One row's forward pass over all N+1 nodes, as the eager engine runs it -> logits [N+1, V], the heads' input
+    states [N+1, (1 + L) H]."""
     positions = (prefix_len + tree.depths.to(tokens.device))[None]
     mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
-    logits, states = forward(model, tokens[None], cache, position_ids=positions, attention_mask=mask, layers=layers)
+    kv.reserve(cache, 1, prefix_len + tree.num_nodes)
+    logits, states = step_forward(model, layer_weights(model), tokens[None], cache,
+                                  torch.tensor([prefix_len], device=tokens.device), positions, mask, layers)
     return logits[0], states[0]

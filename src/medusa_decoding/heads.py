@@ -33,10 +33,16 @@ def run_backbone(model: nn.Module, layers: tuple[int, ...] = (), **inputs) -> tu
     last hidden state, then the output of each of `layers` RMS-normalised (no weight); without layers, the last
     hidden state itself). Training, calibration and decoding all read the heads' input through here."""
     out = model.base_model(**inputs, **({"output_hidden_states": True} if layers else {}))
-    hidden = out.last_hidden_state
+    return out.last_hidden_state, heads_input(out.last_hidden_state, out.hidden_states, layers)
+
+
+def heads_input(hidden: torch.Tensor, hidden_states: tuple[torch.Tensor, ...] | None, layers: tuple[int, ...]
+                ) -> torch.Tensor:
+    """run_backbone's heads' input state from the last hidden states and `transformers`' hidden_states (the
+    embeddings, then each layer's output, the last one normalised)."""
     if not layers:
-        return hidden, hidden
-    return hidden, torch.cat([hidden, *(F.rms_norm(out.hidden_states[i], hidden.shape[-1:]) for i in layers)], -1)
+        return hidden
+    return torch.cat([hidden, *(F.rms_norm(hidden_states[i], hidden.shape[-1:]) for i in layers)], -1)
 
 
 class ResBlock(nn.Module):

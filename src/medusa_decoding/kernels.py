@@ -67,8 +67,8 @@ Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bi
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
 BLOCK = 32  # weights per GGUF block
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "attention.cpp")]
-HEADERS = [CSRC / "simd.h"]
+SOURCES = [CSRC / name for name in ("linear.cpp", "attention.cpp", "layer.cpp")]
+HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
@@ -142,10 +142,10 @@ def build_variant(isa: str) -> str | None:
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code that runs a step here (this module, the native sources and the variant that runs them):
+    """A digest of the code that runs a step here (this module, fused.py, the native sources and the variant):
     step latencies measured under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
     digest = hashlib.sha256(Path(__file__).read_bytes() + variant().encode())
-    for source in SOURCES + HEADERS:
+    for source in [Path(__file__).with_name("fused.py"), *SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -130,6 +131,12 @@ void attend_group(std::vector<Query>& group, const float* K, const float* V, int
     for (int64_t c = 0; c < chunks; c++) store16(a.o + c * LANES, a.out[c] * a.inverse, std::min(LANES, D - c * LANES));
 }
 
+}  // namespace
+
+namespace medusa {
+
+using namespace simd;
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                      double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3),
@@ -190,7 +197,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   return out;
 }
 
-}  // namespace
+}  // namespace medusa
 
 #define DEFINE_MORE_OPS(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
 #define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
@@ -200,5 +207,5 @@ DEFINE_MORE_OPS(MEDUSA_OPS, m) {
 }
 
 IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
-  m.impl("attention", &attention);
+  m.impl("attention", &medusa::attention);
 }

@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "ops.h"
 #include "simd.h"
 
 namespace {
@@ -492,6 +493,10 @@ void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, in
   }
 }
 
+}  // namespace
+
+namespace medusa {
+
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
   const int64_t G = codes.size(0), blocks = codes.dim() == 3 ? codes.size(1) : 0, K = blocks * BLOCK;
   const int64_t bits = codes.dim() == 3 ? codes.size(2) * 8 / (ROWS * BLOCK) : 0;
@@ -518,6 +523,10 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return y;
 }
 
+}  // namespace medusa
+
+namespace {
+
 std::string variant() { return VARIANT; }
 
 }  // namespace
@@ -537,5 +546,5 @@ DEFINE_OPS(MEDUSA_OPS, m) {
 IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_blocks", &linear_blocks);
-  m.impl("linear_q8", &linear_q8);
+  m.impl("linear_q8", &medusa::linear_q8);
 }
