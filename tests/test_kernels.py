@@ -21,9 +21,9 @@ from engine_helpers import decode, greedy_reference, lively_model, random_heads,
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding import cache as kv
+from medusa_decoding import native_layers
 from medusa_decoding.decoding import PLAIN, prefill
 from medusa_decoding.eager import step_forward
-from medusa_decoding.fused import layer_weights
 from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
                                      BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
                                      guess_projection, load_native, native_build, q8_pack, reads_blocks,
@@ -226,8 +226,8 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
         mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
         outs = {name: o.attention(q, k, v, mask, 0.125) for name, o in ops.items()}
         assert all(torch.equal(out, outs["baseline"]) for out in outs.values())
-    model = use_kernels(gguf_model("llama"), "q8")  # a fused layer: its keys, values and output
-    config, (*weights, eps, scale) = model.config, layer_weights(model)[0]
+    model = use_kernels(gguf_model("llama"), "q8")  # a native layer: its keys, values and output
+    config, (*weights, eps, scale) = model.config, native_layers.weights(model)[0]
     x, cos, sin = torch.randn(2, tree.num_nodes, config.hidden_size), *torch.randn(2, 2, tree.num_nodes, 8)
     columns = torch.tensor([[len(PROMPT)], [3]]) + torch.arange(tree.num_nodes)
     mask = tree_mask(tree, len(PROMPT), torch.float32, "cpu")[:, 0].expand(2, -1, -1)
@@ -551,14 +551,14 @@ def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family, kernels_n
 
 @needs_native
 @pytest.mark.parametrize("family", FAMILIES)
-def test_a_fused_step_is_transformers_step_on_llama_shaped_q8_models(family):
-    """fused.py: on q8 kernels a Llama or Mistral step runs each layer in one native call, computing what
+def test_a_native_layers_step_is_transformers_step_on_llama_shaped_q8_models(family):
+    """native_layers.py: on q8 kernels a Llama or Mistral step runs each layer in one native call, computing what
     `transformers`' layers compute (to float32 rounding: no 8-bit activation lands elsewhere on these models), the
     feature layers and the keys written to the cache included; other families and kernels keep `transformers`'."""
     model = use_kernels(gguf_model(family), "q8")
-    weights = layer_weights(model)
+    weights = native_layers.weights(model)
     assert (weights is not None) == (family in ("llama", "mistral"))
-    assert layer_weights(use_kernels(gguf_model(family), "native")) is None
+    assert native_layers.weights(use_kernels(gguf_model(family), "native")) is None
     if weights is None:
         return
     tree = Tree.from_spec(DEFAULT_TREE)
@@ -566,15 +566,15 @@ def test_a_fused_step_is_transformers_step_on_llama_shaped_q8_models(family):
     positions, mask = (len(PROMPT) + tree.depths)[None], tree_mask(tree, len(PROMPT), torch.float32, "cpu")
     runs = []
     with torch.inference_mode():
-        for fused in (weights, None):
+        for native in (weights, None):
             cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, (1,))
             kv.reserve(cache, 1, len(PROMPT) + tree.num_nodes)
-            logits, states = step_forward(model, fused, tokens[None], cache, torch.tensor([len(PROMPT)]), positions,
+            logits, states = step_forward(model, native, tokens[None], cache, torch.tensor([len(PROMPT)]), positions,
                                           mask, (1,))
             runs.append([logits, states, *(b[0, :, nodes] for layer in cache.layers
                                            for b in (layer.key_buffer, layer.value_buffer))])
-    for fused, reference in zip(*runs):
-        torch.testing.assert_close(fused, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
+    for native, reference in zip(*runs):
+        torch.testing.assert_close(native, reference, rtol=0, atol=1e-5 * float(reference.abs().max()))
     assert torch.equal(runs[0][0].argmax(-1), runs[1][0].argmax(-1))
 
 

@@ -11,7 +11,7 @@ import torch
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
-from . import fused
+from . import native_layers
 from .heads import MedusaHeads, run_backbone
 from .proposal import candidates
 
@@ -29,10 +29,10 @@ def step_forward(model: PreTrainedModel, weights: list | None, tokens: torch.Ten
                  positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A step's pass over tokens [B, T], written at columns lengths[b].. of the cache, at `positions` [B, T] under
-    `mask` [B, 1, T, S] (cache.step_inputs): fused.forward where the model's layers fuse (`weights`:
-    fused.layer_weights), else forward. The cache's views are commit's to set after it."""
+    `mask` [B, 1, T, S] (cache.step_inputs): native_layers.forward where the model's layers run natively
+    (`weights`: native_layers.weights), else forward. The cache's views are commit's to set after it."""
     if weights is not None:
-        return fused.forward(model, weights, tokens, cache, lengths, positions, mask, layers)
+        return native_layers.forward(model, weights, tokens, cache, lengths, positions, mask, layers)
     return forward(model, tokens, cache, position_ids=positions, attention_mask=mask, layers=layers)
 
 
@@ -49,11 +49,11 @@ class Packed(NamedTuple):
 
 class Eager:
     """Steps as wide as the rows' largest tree, over the columns in use; nothing compiled; on q8 kernels a
-    Llama-shaped model's layers run one native call each (fused.py)."""
+    Llama-shaped model's layers run one native call each (native_layers.py)."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
         self.model, self.layers = model, heads.config.feature_layers if heads is not None else ()
-        self.fused = fused.layer_weights(model)  # None: transformers' forward runs the steps
+        self.native = native_layers.weights(model)  # None: transformers' forward runs the steps
 
     def cache(self, batch) -> Cache:
         return kv.allocate(self.model, 0)
@@ -75,7 +75,7 @@ class Eager:
         kv.place(cache, packed.lengths, nodes)
         depths, _, attention, _ = packed.trees
         positions, mask = kv.step_inputs(packed.on_device, depths, attention, columns, self.model.dtype)
-        logits, states = step_forward(self.model, self.fused, packed.tokens, cache, packed.on_device, positions, mask,
+        logits, states = step_forward(self.model, self.native, packed.tokens, cache, packed.on_device, positions, mask,
                                       self.layers)
         return logits, states, None
 

@@ -142,10 +142,10 @@ def build_variant(isa: str) -> str | None:
 
 @functools.cache
 def code_digest() -> str:
-    """A digest of the code that runs a step here (this module, fused.py, the native sources and the variant):
+    """A digest of the code that runs a step here (this module, native_layers.py, the native sources and the variant):
     step latencies measured under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
     digest = hashlib.sha256(Path(__file__).read_bytes() + variant().encode())
-    for source in [Path(__file__).with_name("fused.py"), *SOURCES, *HEADERS]:
+    for source in [Path(__file__).with_name("native_layers.py"), *SOURCES, *HEADERS]:
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 

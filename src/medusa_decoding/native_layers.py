@@ -19,7 +19,7 @@ PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.up_proj", "mlp.down_proj")
 
 
-def layer_weights(model: PreTrainedModel) -> list[tuple] | None:
+def weights(model: PreTrainedModel) -> list[tuple] | None:
     """Per decoder layer, what layer_q8 takes of it (norms, q8 codes, scales, output sizes, eps, scale), or None
     where the model is not Llama-shaped on q8 linears throughout."""
     config, inner = model.config.get_text_config(), model.base_model
