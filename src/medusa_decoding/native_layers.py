@@ -25,18 +25,18 @@ def weights(model: PreTrainedModel) -> list[tuple] | None:
     config, inner = model.config.get_text_config(), model.base_model
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "sliding_window", None):
         return None
-    weights = []
+    found = []
     for layer in getattr(inner, "layers", ()):
         if type(layer).__name__ not in LAYERS:
             return None
         linears = [layer.get_submodule(name) for name in PROJECTIONS]
         if any(type(linear) is not kernels.Q8Linear or linear.bias is not None for linear in linears):
             return None
-        weights.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
+        found.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
                         [linear._buffers["codes"] for linear in linears], [linear._buffers["scales"] for linear in linears],
                         [linear.out_features for linear in linears], layer.input_layernorm.variance_epsilon,
                         layer.self_attn.scaling))
-    return weights or None
+    return found or None
 
 
 def forward(model: PreTrainedModel, weights: list[tuple], tokens: torch.Tensor, cache: Cache, lengths: torch.Tensor,
@@ -47,7 +47,7 @@ def forward(model: PreTrainedModel, weights: list[tuple], tokens: torch.Tensor, 
     inner = model.base_model
     x = inner.embed_tokens(tokens)
     cos, sin = inner.rotary_emb(x, positions)
-    columns = lengths[:, None] + torch.arange(tokens.shape[1])
+    columns = lengths[:, None] + torch.arange(tokens.shape[1], device=lengths.device)
     outputs = [x]  # transformers' hidden_states, where the heads read feature layers
     for (input_norm, post_norm, codes, scales, outs, eps, scale), layer in zip(weights, cache.layers):
         x = kernels.OPS.layer_q8(x, input_norm, post_norm, codes, scales, outs, layer.key_buffer, layer.value_buffer,
