@@ -33,7 +33,8 @@ def weights(model: PreTrainedModel) -> list[tuple] | None:
         if any(type(linear) is not kernels.Q8Linear or linear.bias is not None for linear in linears):
             return None
         found.append((layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach(),
-                        [linear._buffers["codes"] for linear in linears], [linear._buffers["scales"] for linear in linears],
+                        [linear._buffers["codes"] for linear in linears],
+                        [linear._buffers["scales"] for linear in linears],
                         [linear.out_features for linear in linears], layer.input_layernorm.variance_epsilon,
                         layer.self_attn.scaling))
     return found or None

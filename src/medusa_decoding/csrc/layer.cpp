@@ -73,11 +73,13 @@ void silu_times(at::Tensor& gate, const at::Tensor& up) {
   }
 }
 
-at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm, at::TensorList codes,
-                    at::TensorList scales, at::IntArrayRef outs, const at::Tensor& keys, const at::Tensor& values,
+at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
+                    at::TensorList codes, at::TensorList scales, at::IntArrayRef outs, const at::Tensor& keys,
+                    const at::Tensor& values,
                     const at::Tensor& columns, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask,
                     double eps, double scale) {
-  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(), "medusa::layer_q8: float32 x [B, T, H]");
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat && x.is_contiguous(),
+              "medusa::layer_q8: float32 x [B, T, H]");
   TORCH_CHECK(codes.size() == 7 && scales.size() == 7 && outs.size() == 7,
               "medusa::layer_q8: codes, scales and outs of q, k, v, o, gate, up, down");
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = keys.size(3), Hkv = keys.size(1);
@@ -90,20 +92,22 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
               mask.sizes() == at::IntArrayRef({B, T, S}), "medusa::layer_q8: columns [B, T], cos and sin [B, T, D], "
               "mask [B, T, S]");
   const at::Tensor residual = x.reshape({M, H}), cc = cos.contiguous(), sc = sin.contiguous();
+  const at::Tensor cols = columns.contiguous();  // held: data_ptr of a temporary copy would dangle
   auto linear = [&](const at::Tensor& in, int i) { return medusa::linear_q8(in, codes[i], scales[i], outs[i], -1); };
 
   at::Tensor h = rms_norm(residual, input_norm, eps);
   at::Tensor q = linear(h, 0), k = linear(h, 1), v = linear(h, 2);
   rotate(q, heads, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   rotate(k, Hkv, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
-  const int64_t* column = columns.contiguous().data_ptr<int64_t>();
+  const int64_t* column = cols.data_ptr<int64_t>();
   for (int64_t r = 0; r < M; r++)  // token r of row r / T: each kv head's key and value to its column
     for (int64_t g = 0; g < Hkv; g++) {
       const int64_t at = ((r / T * Hkv + g) * keys.size(2) + column[r]) * D;
       std::copy_n(k.data_ptr<float>() + (r * Hkv + g) * D, D, keys.data_ptr<float>() + at);
       std::copy_n(v.data_ptr<float>() + (r * Hkv + g) * D, D, values.data_ptr<float>() + at);
     }
-  const at::Tensor seen_keys = keys.narrow(0, 0, B).narrow(2, 0, S), seen_values = values.narrow(0, 0, B).narrow(2, 0, S);
+  const at::Tensor seen_keys = keys.narrow(0, 0, B).narrow(2, 0, S);
+  const at::Tensor seen_values = values.narrow(0, 0, B).narrow(2, 0, S);
   const at::Tensor attended = medusa::attention(q.view({B, T, heads, D}).transpose(1, 2), seen_keys, seen_values,
                                                 mask, scale);
   at::Tensor out = residual + linear(attended.view({M, heads * D}), 3);
