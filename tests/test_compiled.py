@@ -82,6 +82,41 @@ def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
 
 
 @needs_compiler
+def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_widen():
+    """Device steps launched one ahead of the host (as on a GPU) against steps in turn: a row joins while a step runs
+    ahead, rows leave at different steps (the step run ahead for them dropped, the others' state given back: the
+    first row's oracle heads, which find their place by that state, accept as deep), and a long row's steps move to
+    a wider attended window (kv.attend) and grow the cache. Each row decodes what it decodes alone, step for step."""
+    model = lively_model("llama", seed=2)
+    engine = use_kernels(copy.deepcopy(model), "compiled")
+    prompts, budgets = (PROMPT, PROMPT[:5], PROMPT.repeat(21)), (30, 9, 40)  # 252 + 40 tokens: past 256 columns
+    references = [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
+    heads = OracleHeads(engine, torch.cat([PROMPT, torch.tensor(references[0])]))
+
+    def run(ahead: bool) -> tuple[list, set]:
+        batch = Batch(engine, heads, compiled=True)
+        batch.engine.ahead = ahead
+        join = lambda i: batch.join(prompts[i], GenerationConfig(max_new_tokens=budgets[i]), Tree.from_spec([2, 1]))
+        rows = [join(0), join(1)]
+        produced, windows = {id(row): [[row.root]] for row in rows}, set()
+        while batch.rows:
+            for row, new, _ in batch.step():
+                produced[id(row)].append(new)
+            windows.add(batch.cache.layers[0].window)
+            if len(produced[id(rows[0])]) == 4:
+                kv.reserve(batch.cache, 3, 2048 + 1)  # capacity doubles under the steps: their entries move with it
+                rows.append(join(2))
+                produced[id(rows[2])] = [[rows[2].root]]
+        return [produced[id(row)] for row in rows], windows
+
+    alone, windows = run(ahead=False)
+    assert windows == {256, 512}  # an eighth of the capacity, then of the grown one (which the next batch reuses)
+    assert run(ahead=True)[0] == alone
+    assert [[t for step in steps for t in step] for steps in alone] == references
+    assert len(alone[0]) < 20  # the oracle's paths accepted deep
+
+
+@needs_compiler
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_the_proposal_graph_proposes_what_the_eager_proposal_does(kind):
     """The compiled engine's proposal (one graph per heads and tree) against decoding.candidates run eagerly: the same
@@ -174,15 +209,17 @@ class HostReads(torch.overrides.TorchFunctionMode):
 @needs_compiler
 @pytest.mark.parametrize("spec", [(), [2, 1]], ids=["plain", "tree"])
 def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec):
-    """Batch.step on the compiled engine, greedy under a fixed tree: one graph (compiled whole: fullgraph), one read
-    of the device a step, counted where the engine routes its reads (compiled.read) and at every tensor method that
-    reads values; a second request, at another context length, compiles nothing new."""
+    """Batch.step on the compiled engine, greedy under a fixed tree, each step launched one ahead (as on a GPU): one
+    graph (compiled whole: fullgraph), one read of the device a step, counted where the engine routes its reads
+    (compiled.read) and at every tensor method that reads values; a second request, at another context length,
+    compiles nothing new."""
     model = use_kernels(lively_model("llama"), "compiled")
     heads, tree = random_heads(model), Tree.from_spec(spec) if spec else PLAIN
     config = GenerationConfig(max_new_tokens=16)
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)
+        batch.engine.ahead = True
         row = batch.join(prompt, config, tree)
         with torch.inference_mode():
             batch.step()  # the first step builds the rows' device state

@@ -12,9 +12,9 @@ entries (`place`), so a plain step's token is where it stays. After a verificati
 accepted path into place and drops the rest; the columns past a row's entries, up to the longest row's, are a hole
 its attention mask hides (`step_inputs`).
 
-The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending every column of
-the buffers (the mask hides those not in use), writing each step's nodes at a column tensor (`place`) and moving the
-accepted paths with one gather/scatter (`gather_paths`).
+The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending a fixed window
+of the buffers' columns whatever the width in use (`attend`; the mask hides those not in use), writing each step's
+nodes at a column tensor (`place`) and moving the accepted paths with one gather/scatter (`gather_paths`).
 """
 
 import torch
@@ -28,6 +28,7 @@ class PreallocatedLayer(DynamicLayer):
     def __init__(self, capacity: int, whole: bool = False):
         super().__init__()
         self.capacity, self.slots, self.whole = capacity, 0, whole
+        self.window = capacity  # the columns a whole cache's step attends (`attend`)
         self.placed: tuple | None = None  # `place`'s index: (rows [B, 1], every head, columns [B, T])
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -36,7 +37,7 @@ class PreallocatedLayer(DynamicLayer):
         if self.whole and self.placed is not None:  # a compiled step: every column, whatever the width in use
             self.key_buffer[self.placed] = key_states.transpose(1, 2)
             self.value_buffer[self.placed] = value_states.transpose(1, 2)
-            return self.key_buffer[:rows], self.value_buffer[:rows]
+            return self.key_buffer[:rows, :, : self.window], self.value_buffer[:rows, :, : self.window]
         width = self.keys.shape[-2] if self.is_initialized else 0
         if not self.is_initialized:
             self.begin(key_states, value_states, rows)
@@ -65,13 +66,16 @@ class PreallocatedLayer(DynamicLayer):
         slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
         rows, width = self.keys.shape[0], self.keys.shape[-2]
         shape = (slots, self.keys.shape[1], capacity, self.keys.shape[-1])
+        # every column of the old buffers: a compiled step's entries lie past the views until they settle
+        old = (self.key_buffer, self.value_buffer) if self.slots else (self.keys, self.values)
         # zeros, not garbage: stock attention reads the holes it masks, and 0 * NaN would be NaN
         self.key_buffer, self.value_buffer = self.keys.new_zeros(shape), self.values.new_zeros(shape)
         if self.whole and self.key_buffer.is_cuda:  # CUDA graphs replay on these very buffers
             torch._dynamo.mark_static_address(self.key_buffer)
             torch._dynamo.mark_static_address(self.value_buffer)
-        self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width] = self.keys, self.values
-        self.slots, self.capacity = slots, capacity
+        for buffer, entries in zip((self.key_buffer, self.value_buffer), old):
+            buffer[: entries.shape[0], :, : entries.shape[2]] = entries
+        self.slots, self.capacity, self.window = slots, capacity, capacity
         self.view(rows, width)
 
     def view(self, rows: int, width: int) -> None:
@@ -147,6 +151,16 @@ def settle(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
     for layer in cache.layers:
         layer.view(len(lengths), wide)
         layer.placed = None
+
+
+def attend(cache: Cache, needed: int) -> int:
+    """A whole cache's next steps attend the first columns of its buffers that hold `needed`: an eighth, a quarter,
+    half or all of its capacity (one graph each), not always all of it (the attention's cost grows with them)."""
+    capacity = cache.layers[0].capacity
+    window = next((capacity >> k for k in (3, 2, 1) if needed <= capacity >> k), capacity)
+    for layer in cache.layers:
+        layer.window = window
+    return window
 
 
 def step_inputs(lengths: torch.Tensor, depths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype

@@ -3,19 +3,20 @@ has eager.Eager's functions; `decoding.Batch` takes one or the other when it is 
 
 Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter; on a
 GPU it is bound by launching them and by the host waiting for the device. `torch.compile` removes them only where
-shapes do not change, so a step here never changes shape with the context: the KV cache has a fixed capacity whose
-every column the step attends (cache.py, `whole`: the mask hides the columns not in use), writes its nodes at a
-column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows' lengths.
+shapes do not change, so a step here never changes shape with the context: the KV cache has a fixed capacity of
+which the step attends a fixed window (cache.py, `whole`, `attend`: the mask hides the columns not in use), writes
+its nodes at a column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows'
+lengths.
 
 A greedy step under a fixed tree (the common case: `Compiled.device_tree`) is one graph that leaves nothing to the
 host (device_graph): verify, accept, move the accepted paths into place, advance the lengths, run the heads on the
 accepted node and write the next step's tree tokens, all in place in buffers that the cache keeps (DeviceRows);
 the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
-CUDA graph (`capture`) and replayed on the same addresses request after request (whole caches are pooled per
-model: `cache_for`). Other steps (sampling, confident trees, `--tree auto`'s guard) run
-verify_graph with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of
-their own, and read the accepted paths. The prefill stays eager: it runs once per request, at a length no two
-requests share.
+CUDA graph (`capture`, one per window) and replayed on the same addresses request after request (whole caches are
+pooled per model: `cache_for`), each step launched before the last one is read (DeviceRows, `ahead`). Other steps
+(sampling, confident trees, `--tree auto`'s guard) run verify_graph with greedy acceptance inside, the path mover
+(`cache.gather_paths`) and the proposal as graphs of their own, and read the accepted paths. The prefill stays
+eager: it runs once per request, at a length no two requests share.
 
 Inductor caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory),
 so a second process compiles faster. Where compiling is unavailable (no C++ compiler for inductor on a CPU, no
@@ -45,7 +46,7 @@ def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, len
     """One verification step of fixed shape. tokens, depths, parents [B, T], attention, chains [B, T, T] (tree.padded),
     lengths [B] -> logits [B, T, V], the heads' input states [B, T, (1 + L) H] (heads.run_backbone with the heads'
     feature `layers`) and greedy acceptance (accept_greedy)."""
-    positions, mask = kv.step_inputs(lengths, depths, attention, cache.layers[0].capacity, model.dtype)
+    positions, mask = kv.step_inputs(lengths, depths, attention, cache.layers[0].window, model.dtype)
     hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True,
                                  attention_mask=mask, position_ids=positions)
     logits = model.get_output_embeddings()(hidden)
@@ -110,6 +111,7 @@ class Compiled:
         self.layers = heads.config.feature_layers if heads is not None else ()
         self.width = heads.config.num_heads + 1 if heads is not None else 1  # any accepted path's longest
         self.device_rows: DeviceRows | None = None  # the rows as the last device step left them
+        self.ahead = model.device.type == "cuda"  # DeviceRows' steps run one ahead of the host (not on a CPU: no gain)
 
     def cache(self, batch) -> Cache:
         return cache_for(batch, self.model)
@@ -126,12 +128,11 @@ class Compiled:
     def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
         """One pass (verify_graph) -> (logits [B, T, V], the heads' input states [B, T, S], each row's greedy
         (accepted path, next token), read from the device at once)."""
-        if self.device_rows is not None:  # the cache's views as the rows stand, not as the device step left them
-            self.device_rows = None
-            kv.settle(cache, packed.lengths, [[] for _ in packed.lengths])
+        kv.settle(cache, packed.lengths, [[] for _ in packed.lengths])  # the views as the rows stand
         rows, nodes = packed.tokens.shape
         kv.reserve(cache, rows, kv.width(cache) + max(nodes, self.width if nodes > 1 else 1))
         kv.place(cache, packed.lengths, nodes)
+        kv.attend(cache, kv.width(cache) + nodes)
         logits, states, greedy = model_graph(verify_graph, self.model)(
             self.model, cache, packed.tokens, packed.on_device, *packed.trees, self.layers)
         return logits, states.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
@@ -154,23 +155,31 @@ class Compiled:
 
     def device_tree(self, rows: list) -> Tree | None:
         """The tree of a step that can run whole on the device, else None: every row greedy under the same fixed
-        tree, positions within the model's context."""
+        tree, positions within the model's context for this step and one more (run ahead)."""
         trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in rows}
         if len(trees) != 1:
             return None
         tree, = trees.values()
         fixed = all(row.config.temperature == 0 and not row.guard.watching and not row.guard.ladder.confident
                     for row in rows)
-        within = max(row.length for row in rows) + tree.depth < context_limit(self.model)
+        within = max(row.length for row in rows) + 2 * tree.depth + 1 < context_limit(self.model)
         return tree if fixed and within else None
 
     def device_step(self, batch) -> tuple[Tree, list[list[int]]] | None:
         """The step as one graph on the device and one read of it (device_graph) -> (its tree, the tokens each row
         produced, EOS and budget not applied), or None where the step needs the host."""
         rows = list(batch.rows)
-        if (tree := self.device_tree(rows)) is None:
+        tree = self.device_tree(rows)
+        if self.device_rows is not None and (tree is None or not self.device_rows.holds(rows, tree, batch.cache)):
+            self.device_rows.release()
+            self.device_rows = None
+        if tree is None:
             return None
-        if self.device_rows is None or not self.device_rows.holds(rows, tree, batch.cache):
+        # room and a window for this step and the one run ahead of it, whatever the last one accepted
+        needed = max(row.length for row in rows) + tree.depth + 1 + tree.num_nodes
+        kv.reserve(batch.cache, len(rows), needed)
+        window = kv.attend(batch.cache, needed)
+        if self.device_rows is None:
             # each row's first tree through the proposal graph of one row: one graph whatever the batch size
             k, tree_here = tree.topk_per_head(), on_device(tree, self.model.device)
             tokens = torch.stack([
@@ -178,12 +187,12 @@ class Compiled:
                 self.candidates(self.heads, batch.lm_head, batch.embed, row.heads_input[None],
                                 torch.tensor([row.root], device=self.model.device), tree_here, k)[0][0]
                 for row in rows])
-            self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache)
-        return tree, self.device_rows.step(self.model, batch.lm_head, batch.embed, batch.cache, self.layers)
+            self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache, self.ahead)
+        return tree, self.device_rows.step(self.model, batch.lm_head, batch.embed, batch.cache, self.layers, window)
 
     def settled(self) -> None:
-        """After the rows moved on as the device step said (DeviceRows.settled)."""
-        self.device_rows.settled()
+        """After the rows moved on as the device step said."""
+        self.device_rows.seen = self.device_rows.now()
 
 
 MOVED = set()  # the shapes the path mover has run at (Compiled.commit)
@@ -218,10 +227,13 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
 host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a greedy step to one
 
 
-def read(tensor: torch.Tensor) -> list:
-    """`tensor` on the host: the one place a compiled step waits for the device."""
+def read(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> list:
+    """`tensor` on the host, once `ready` (the event after its copy from the device): the one place a compiled step
+    waits for the device."""
     global host_reads
     host_reads += 1
+    if ready is not None:
+        ready.synchronize()
     return tensor.tolist()
 
 
@@ -230,15 +242,20 @@ STATE = ("tokens", "lengths", "columns", "heads_input", "record")  # what a devi
 
 class DeviceRows:
     """A batch's rows as device_graph steps them, in buffers that the cache keeps for this tree, heads and batch size
-    (on a GPU the step is one CUDA graph that replays on those very addresses, request after request): the STATE (the
-    next tree tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S], the last step's record
-    [B, 1 + W]) and the tree's tensors. Built from the rows' own state (root, heads' input, length) whenever they
-    change by other means than `step` (a row joins or leaves, another tree, a step taken elsewhere): `holds` says
-    whether it still stands for them."""
+    (on a GPU the step is one CUDA graph per attended window that replays on those very addresses, request after
+    request): the STATE (the next tree tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S],
+    the last step's record [B, 1 + W]) and the tree's tensors. Built from the rows' own state (root, heads' input,
+    length) whenever they change by other means than `step` (a row joins or leaves, another tree, a step taken
+    elsewhere): `holds` says whether it still stands for them, and `release` gives the rows their state back.
 
-    def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache):
+    ahead: each step launches the next one before it reads its own record (the record copied to the host behind it),
+    as vLLM's and SGLang's asynchronous schedulers do, so the device never waits for the host to go over a step; a
+    step run ahead for rows that then change (one ends) is dropped, its cache writes past every row's entries.
+    """
+
+    def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache, ahead: bool = False):
         """tokens [B, T]: each row's tree tokens for its next step (the heads' proposal)."""
-        self.tree, self.rows, self.heads = tree, rows, heads if tree.num_nodes > 1 else None
+        self.tree, self.rows, self.heads, self.ahead = tree, rows, heads if tree.num_nodes > 1 else None, ahead
         self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].heads_input)
         self.state = [self.buffers[name] for name in STATE]
         self.tokens, self.lengths, self.columns, self.heads_input, self.record = self.state
@@ -248,6 +265,8 @@ class DeviceRows:
         placed = (self.buffers["rows_index"], slice(None), self.columns)
         for layer in cache.layers:
             layer.placed = placed
+        self.launched: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # records of steps not read yet
+        self.slot = 0  # the host buffer the next record goes to (two: one being read, one on its way)
         self.seen = self.now()
 
     def now(self) -> list[tuple[int, int]]:
@@ -259,28 +278,45 @@ class DeviceRows:
         return (tree is self.tree and rows == self.rows and self.now() == self.seen
                 and cache.layers[0].placed is not None and cache.layers[0].placed[2] is self.columns)
 
-    def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...]) -> list[list[int]]:
-        """One step (device_graph) -> the tokens each row produced; the caller then moves the rows on and `settled`."""
+    def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...], window: int
+             ) -> list[list[int]]:
+        """One step (device_graph over `window` columns, kv.attend) -> the tokens each row produced; the caller then
+        moves the rows on (Compiled.settled)."""
         def run() -> None:  # on a GPU captured here, not by inductor
             model_graph(device_graph, model, fullgraph=True, **{"triton.cudagraphs": False})(
                 model, self.heads, lm_head, embed, cache, *self.state, *self.buffers["tree_tensors"], layers=layers,
                 k=self.tree.topk_per_head())
 
+        for _ in range(1 + self.ahead - len(self.launched)):
+            self.launch(run, cache, window)
+        return [row[1: 1 + row[0]] for row in read(*self.launched.pop(0))]
+
+    def launch(self, run, cache: Cache, window: int) -> None:
+        """Runs (on a GPU replays) a step, and copies its record to the host behind it."""
+        if self.launched:  # the state after the step not read yet, for `release`
+            self.buffers["before"].copy_(self.heads_input)
         if self.tokens.is_cuda:
-            where = cache.layers[0].key_buffer.data_ptr()  # buffers grown since (kv.reserve): capture anew
-            if self.buffers.get("captured_at") != where:
-                self.buffers["graph"], self.buffers["captured_at"] = capture(run, self.state), where
-            self.buffers["graph"].replay()
+            graphs, where = self.buffers["graphs"], cache.layers[0].key_buffer.data_ptr()  # grown: capture anew
+            if graphs.get(window, (None, None))[1] != where:
+                graphs[window] = capture(run, self.state), where
+            graphs[window][0].replay()
         else:
             run()
-        return [row[1: 1 + row[0]] for row in read(self.record)]
+        host, self.slot = self.buffers["host"][self.slot], 1 - self.slot
+        host.copy_(self.record, non_blocking=True)
+        ready = torch.cuda.Event() if self.tokens.is_cuda else None
+        if ready is not None:
+            ready.record()
+        self.launched.append((host, ready))
 
-    def settled(self) -> None:
-        """The rows moved on as the record says: each row's heads' input is its row of `heads_input` (a view that
-        follows it step after step)."""
-        for b, row in enumerate(self.rows):
-            row.heads_input = self.heads_input[b]
-        self.seen = self.now()
+    def release(self) -> None:
+        """The rows that still stand as the last step read left them take their heads' input state back (copies: the
+        buffers go on to other steps); a step launched ahead is dropped."""
+        state = self.buffers["before"] if self.launched else self.heads_input
+        for b, (row, seen) in enumerate(zip(self.rows, self.seen)):
+            if (row.root, row.length) == seen:
+                row.heads_input = state[b].clone()
+        self.launched.clear()
 
 
 def capture(run, state: list[torch.Tensor]) -> torch.cuda.CUDAGraph:
@@ -322,7 +358,10 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dic
             "tokens": torch.zeros(rows, nodes, **long), "lengths": torch.zeros(rows, **long),
             "columns": torch.zeros(rows, nodes, **long), "record": torch.zeros(rows, 1 + width, **long),
             "heads_input": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
-            "rows_index": torch.arange(rows, device=device)[:, None]}
+            "rows_index": torch.arange(rows, device=device)[:, None], "graphs": {}}
+        found["before"] = torch.empty_like(found["heads_input"])  # DeviceRows.launch
+        found["host"] = [torch.empty(found["record"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
+                         for _ in range(2)]
         found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),
                                  on_device(tree, device))
     return found
