@@ -83,10 +83,11 @@ def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
 
 @needs_compiler
 def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_widen():
-    """Device steps launched one ahead of the host (as on a GPU) against steps in turn: a row joins while a step runs
-    ahead, rows leave at different steps (the step run ahead for them dropped, the others' state given back: the
-    first row's oracle heads, which find their place by that state, accept as deep), and a long row's steps move to
-    a wider attended window (kv.attend) and grow the cache. Each row decodes what it decodes alone, step for step."""
+    """Device steps launched one ahead of the host against steps in turn, both attending windows (as on a GPU): a row
+    joins while a step runs ahead, rows leave at different steps (the step run ahead for them dropped, the others'
+    state given back: the first row's oracle heads, which find their place by that state, accept as deep), and a long
+    row's steps move to a wider attended window (kv.attend) and grow the cache. Each row decodes what it decodes
+    alone, step for step."""
     model = lively_model("llama", seed=2)
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts, budgets = (PROMPT, PROMPT[:5], PROMPT.repeat(21)), (30, 9, 40)  # 252 + 40 tokens: past 256 columns
@@ -95,7 +96,7 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
 
     def run(ahead: bool) -> tuple[list, set]:
         batch = Batch(engine, heads, compiled=True)
-        batch.engine.ahead = ahead
+        batch.engine.ahead, batch.engine.windowed = ahead, True
         join = lambda i: batch.join(prompts[i], GenerationConfig(max_new_tokens=budgets[i]), Tree.from_spec([2, 1]))
         rows = [join(0), join(1)]
         produced, windows = {id(row): [[row.root]] for row in rows}, set()
@@ -209,7 +210,7 @@ class HostReads(torch.overrides.TorchFunctionMode):
 @needs_compiler
 @pytest.mark.parametrize("spec", [(), [2, 1]], ids=["plain", "tree"])
 def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec):
-    """Batch.step on the compiled engine, greedy under a fixed tree, each step launched one ahead (as on a GPU): one
+    """Batch.step on the compiled engine, greedy under a fixed tree, launched one ahead over windows (as on a GPU): one
     graph (compiled whole: fullgraph), one read of the device a step, counted where the engine routes its reads
     (compiled.read) and at every tensor method that reads values; a second request, at another context length,
     compiles nothing new."""
@@ -219,7 +220,7 @@ def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compi
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)
-        batch.engine.ahead = True
+        batch.engine.ahead = batch.engine.windowed = True
         row = batch.join(prompt, config, tree)
         with torch.inference_mode():
             batch.step()  # the first step builds the rows' device state

@@ -111,7 +111,10 @@ class Compiled:
         self.layers = heads.config.feature_layers if heads is not None else ()
         self.width = heads.config.num_heads + 1 if heads is not None else 1  # any accepted path's longest
         self.device_rows: DeviceRows | None = None  # the rows as the last device step left them
-        self.ahead = model.device.type == "cuda"  # DeviceRows' steps run one ahead of the host (not on a CPU: no gain)
+        # on a GPU only: DeviceRows' steps run one ahead of the host, and attend a window of the cache's columns (a
+        # CPU's native attention skips masked columns, and a step there runs on the cores the host would go over it
+        # with: each would only add graphs, compiled mid-answer)
+        self.ahead = self.windowed = model.device.type == "cuda"
 
     def cache(self, batch) -> Cache:
         return cache_for(batch, self.model)
@@ -132,7 +135,7 @@ class Compiled:
         rows, nodes = packed.tokens.shape
         kv.reserve(cache, rows, kv.width(cache) + max(nodes, self.width if nodes > 1 else 1))
         kv.place(cache, packed.lengths, nodes)
-        kv.attend(cache, kv.width(cache) + nodes)
+        self.attend(cache, kv.width(cache) + nodes)
         logits, states, greedy = model_graph(verify_graph, self.model)(
             self.model, cache, packed.tokens, packed.on_device, *packed.trees, self.layers)
         return logits, states.clone(), [(row[2 : 2 + row[0]], row[1]) for row in read(greedy)]
@@ -178,7 +181,7 @@ class Compiled:
         # room and a window for this step and the one run ahead of it, whatever the last one accepted
         needed = max(row.length for row in rows) + tree.depth + 1 + tree.num_nodes
         kv.reserve(batch.cache, len(rows), needed)
-        window = kv.attend(batch.cache, needed)
+        window = self.attend(batch.cache, needed)
         if self.device_rows is None:
             # each row's first tree through the proposal graph of one row: one graph whatever the batch size
             k, tree_here = tree.topk_per_head(), on_device(tree, self.model.device)
@@ -189,6 +192,10 @@ class Compiled:
                 for row in rows])
             self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache, self.ahead)
         return tree, self.device_rows.step(self.model, batch.lm_head, batch.embed, batch.cache, self.layers, window)
+
+    def attend(self, cache: Cache, needed: int) -> int:
+        """kv.attend where the engine is `windowed`, else every column."""
+        return kv.attend(cache, needed if self.windowed else cache.layers[0].capacity)
 
     def settled(self) -> None:
         """After the rows moved on as the device step said."""
