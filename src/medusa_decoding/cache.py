@@ -34,7 +34,7 @@ class PreallocatedLayer(DynamicLayer):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, kv_heads, T, head_dim] -> all keys and values so far [B, kv_heads, S, head_dim]
         rows = key_states.shape[0]
-        if self.whole and self.placed is not None:  # a compiled step: every column, whatever the width in use
+        if self.whole and self.placed is not None:  # a compiled step: its window, whatever the width in use
             self.key_buffer[self.placed] = key_states.transpose(1, 2)
             self.value_buffer[self.placed] = value_states.transpose(1, 2)
             return self.key_buffer[:rows, :, : self.window], self.value_buffer[:rows, :, : self.window]

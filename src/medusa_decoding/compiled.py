@@ -131,7 +131,6 @@ class Compiled:
     def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
         """One pass (verify_graph) -> (logits [B, T, V], the heads' input states [B, T, S], each row's greedy
         (accepted path, next token), read from the device at once)."""
-        kv.settle(cache, packed.lengths, [[] for _ in packed.lengths])  # the views as the rows stand
         rows, nodes = packed.tokens.shape
         kv.reserve(cache, rows, kv.width(cache) + max(nodes, self.width if nodes > 1 else 1))
         kv.place(cache, packed.lengths, nodes)
@@ -176,6 +175,7 @@ class Compiled:
         if self.device_rows is not None and (tree is None or not self.device_rows.holds(rows, tree, batch.cache)):
             self.device_rows.release()
             self.device_rows = None
+            kv.settle(batch.cache, [row.length for row in rows], [[] for _ in rows])  # the views as the rows stand
         if tree is None:
             return None
         # room and a window for this step and the one run ahead of it, whatever the last one accepted
