@@ -111,9 +111,9 @@ class Compiled:
         self.layers = heads.config.feature_layers if heads is not None else ()
         self.width = heads.config.num_heads + 1 if heads is not None else 1  # any accepted path's longest
         self.device_rows: DeviceRows | None = None  # the rows as the last device step left them
-        # on a GPU only: DeviceRows' steps run one ahead of the host, and attend a window of the cache's columns (a
-        # CPU's native attention skips masked columns, and a step there runs on the cores the host would go over it
-        # with: each would only add graphs, compiled mid-answer)
+        # on a GPU only: DeviceRows' steps run one ahead of the host, and attend a window of the cache's columns. On
+        # a CPU a step runs on the cores the host would go over it with (ahead gains nothing), and the native
+        # attention skips masked columns (windows would only add graphs, compiled mid-answer)
         self.ahead = self.windowed = model.device.type == "cuda"
 
     def cache(self, batch) -> Cache:
