@@ -381,7 +381,7 @@ void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
   F acc[MT] = {};
   for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
     I sums[MT] = {};
-    for (int j = 0; j < VECTORS; j++) {
+    auto add_vector = [&](int j) {
       U v;
       std::memcpy(&v, c + 64 * j, sizeof v);
       const U low = BITS == 4 ? v & 15 : v;  // weights 4j .. 4j + 3 of each row (Q4_1: its low nibbles)
@@ -398,6 +398,14 @@ void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
           sums[i] = P::dot(sums[i], high, x4);
         }
       }
+    };
+    // AVX2's 16 registers hold 4 tokens' sums and accumulators, not also every code vector of a block unrolled: from
+    // 4 tokens the vectors go one at a time (4 tokens 5% faster on a Zen 3, the same bits)
+    if constexpr (P::LANES == 8 && MT >= 4) {
+#pragma GCC unroll 1
+      for (int j = 0; j < VECTORS; j++) add_vector(j);
+    } else {
+      for (int j = 0; j < VECTORS; j++) add_vector(j);
     }
     const F d = P::widen(s), m = P::widen(s + ROWS);
     for (int i = 0; i < MT; i++) {
