@@ -425,13 +425,15 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
   for (int64_t r0 = 0; r0 < ROWS; r0 += P::LANES) q8_lanes<P, BITS, MT>(a, g, r0, m0);
 }
 
-// every token of groups [begin, end): MAX_TOKENS at a time, then 4, 2, 1
+// every token of groups [begin, end): MAX_TOKENS at a time, then 4, 3, 2, 1 (3 in one pass, not 2 + 1: a 2-candidate
+// tree's step; SmolLM2's 210 linears over 3 tokens 11.2 -> 9.6 ms on one Zen 3 core)
 template <class P, int BITS>
 void q8_groups(const Q8& a, int64_t M, int64_t begin, int64_t end) {
   for (int64_t g = begin; g < end; g++) {
     int64_t m = 0;
     for (; m + MAX_TOKENS <= M; m += MAX_TOKENS) q8_group<P, BITS, MAX_TOKENS>(a, g, m);
     if (m + 4 <= M) q8_group<P, BITS, 4>(a, g, m), m += 4;
+    if (m + 3 <= M) q8_group<P, BITS, 3>(a, g, m), m += 3;
     if (m + 2 <= M) q8_group<P, BITS, 2>(a, g, m), m += 2;
     if (m < M) q8_group<P, BITS, 1>(a, g, m);
   }
