@@ -93,9 +93,11 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
               "mask [B, T, S]");
   const at::Tensor residual = x.reshape({M, H}), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor cols = columns.contiguous();  // held: data_ptr of a temporary copy would dangle
-  auto linear = [&](const at::Tensor& in, int i) { return medusa::linear_q8(in, codes[i], scales[i], outs[i], -1); };
+  auto linear = [&](const medusa::Q8Activations& in, int i) {
+    return medusa::linear_q8(in, codes[i], scales[i], outs[i], -1);
+  };
 
-  at::Tensor h = rms_norm(residual, input_norm, eps);
+  medusa::Q8Activations h = medusa::quantize_q8(rms_norm(residual, input_norm, eps));
   at::Tensor q = linear(h, 0), k = linear(h, 1), v = linear(h, 2);
   rotate(q, heads, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   rotate(k, Hkv, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
@@ -110,12 +112,12 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   const at::Tensor seen_values = values.narrow(0, 0, B).narrow(2, 0, S);
   const at::Tensor attended = medusa::attention(q.view({B, T, heads, D}).transpose(1, 2), seen_keys, seen_values,
                                                 mask, scale);
-  at::Tensor out = residual + linear(attended.view({M, heads * D}), 3);
+  at::Tensor out = residual + linear(medusa::quantize_q8(attended.view({M, heads * D})), 3);
 
-  h = rms_norm(out, post_norm, eps);
+  h = medusa::quantize_q8(rms_norm(out, post_norm, eps));
   at::Tensor gate = linear(h, 4);
   silu_times(gate, linear(h, 5));
-  out += linear(gate, 6);
+  out += linear(medusa::quantize_q8(gate), 6);
   return out.view({B, T, H});
 }
 

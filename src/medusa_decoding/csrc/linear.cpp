@@ -507,7 +507,18 @@ void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, in
 
 namespace medusa {
 
-at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
+Q8Activations quantize_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0 && x.scalar_type() == at::kFloat,
+              "medusa::linear_q8: float32 x [M, K], K a multiple of 32");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = xc.size(0), K = xc.size(1), blocks = M * K / BLOCK;
+  Q8Activations a{M, K, std::vector<int8_t>(M * K), std::vector<float>(blocks), std::vector<float>(blocks),
+                  std::vector<int32_t>(blocks)};
+  quantize(xc.data_ptr<float>(), blocks, a.q.data(), a.d.data(), a.dt.data(), a.x128.data());
+  return a;
+}
+
+at::Tensor linear_q8(const Q8Activations& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
   const int64_t G = codes.size(0), blocks = codes.dim() == 3 ? codes.size(1) : 0, K = blocks * BLOCK;
   const int64_t bits = codes.dim() == 3 ? codes.size(2) * 8 / (ROWS * BLOCK) : 0;
   TORCH_CHECK((bits == 4 || bits == 8) && codes.scalar_type() == at::kByte && codes.size(2) == ROWS * BLOCK * bits / 8
@@ -515,22 +526,22 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               ", bits 4 or 8 (kernels.q8_pack)");
   TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == G * blocks * 2 * ROWS,
               "medusa::linear_q8: float16 dm [ceil(n / 16), K / 32, 2, 16]");
+  TORCH_CHECK(x.K == K, "medusa::linear_q8: x [M, K] with K = ", K);
   if (path < 0)
     for (int64_t p = 0; p < Q8_PATH_COUNT; p++) path = Q8_PATHS[p].supported() ? p : path;
   TORCH_CHECK(0 <= path && path < Q8_PATH_COUNT && Q8_PATHS[path].supported(), "medusa::linear_q8: path ", path,
               " does not run on this CPU");
-  const at::Tensor xc = check_x(x, K, "medusa::linear_q8"), cc = codes.contiguous(), dmc = dm.contiguous();
-  const int64_t M = xc.size(0);
-  std::vector<int8_t> xq(M * K);
-  std::vector<float> xd(M * blocks), xdt(M * blocks);
-  std::vector<int32_t> x128(M * blocks);
-  quantize(xc.data_ptr<float>(), M * blocks, xq.data(), xd.data(), xdt.data(), x128.data());
-  at::Tensor y = at::empty({M, n}, xc.options());
-  const Q8 a{xq.data(), xd.data(), xdt.data(), x128.data(), cc.data_ptr<uint8_t>(), dmc.data_ptr<at::Half>(),
+  const at::Tensor cc = codes.contiguous(), dmc = dm.contiguous();
+  at::Tensor y = at::empty({x.M, n}, at::kFloat);
+  const Q8 a{x.q.data(), x.d.data(), x.dt.data(), x.x128.data(), cc.data_ptr<uint8_t>(), dmc.data_ptr<at::Half>(),
              y.data_ptr<float>(), K, n};
   const Groups groups = bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8;
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) { groups(a, M, begin, end); });
+  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) { groups(a, x.M, begin, end); });
   return y;
+}
+
+at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
+  return linear_q8(quantize_q8(x), codes, dm, n, path);
 }
 
 }  // namespace medusa
@@ -556,5 +567,6 @@ DEFINE_OPS(MEDUSA_OPS, m) {
 IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
   m.impl("linear", &linear);
   m.impl("linear_blocks", &linear_blocks);
-  m.impl("linear_q8", &medusa::linear_q8);
+  m.impl("linear_q8", static_cast<at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                  int64_t)>(&medusa::linear_q8));  // the op: on float32 x
 }
