@@ -117,8 +117,8 @@ void values(Query& a, const float* V, int64_t i0, int64_t i1, int64_t D, int64_t
 // then from L1 by every other query of the group, whose prefix they all see (the cache is read once per group a
 // step, not once per query head and tree node). Each query's arithmetic is what it would be alone.
 template <int C>
-void attend_group(std::vector<Query>& group, const float* K, const float* V, int64_t D, int64_t krow, int64_t vrow,
-                  float scale) {
+FMA_CLONES void attend_group(std::vector<Query>& group, const float* K, const float* V, int64_t D, int64_t krow,
+                             int64_t vrow, float scale) {
   int64_t n = 0;
   for (const Query& a : group) n = std::max<int64_t>(n, a.cols->size());
   for (int64_t i = 0; i < n; i += TILE_KEYS)

@@ -56,7 +56,7 @@ void rotate(at::Tensor& x, int64_t heads, const float* cos, const float* sin, in
 }
 
 // gate <- silu(gate) * up, where silu(g) = g * sigmoid(g) with e^-|g| (simd.h's exp takes x <= 0)
-void silu_times(at::Tensor& gate, const at::Tensor& up) {
+FMA_CLONES void silu_times(at::Tensor& gate, const at::Tensor& up) {
   float* G = gate.data_ptr<float>();
   const float* U = up.data_ptr<float>();
   const int64_t n = gate.numel();

@@ -82,7 +82,7 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
 }
 
 template <int NB, bool PREFETCH>
-void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
+FMA_CLONES void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
               const float* next) {
   int64_t m = 0;
   for (; m + TX <= M; m += TX) tile<TX, NB, PREFETCH>(x, w, y, K, N, m, n0, next);
@@ -169,7 +169,7 @@ void tile_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y
 
 // the weight rows [n0, n0 + TILE), NB at a time: MB x NB accumulators fit the registers
 template <int MB, int BITS>
-void rows_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
+FMA_CLONES void rows_decoding(const float* x, int64_t xrow, const Blocks<BITS>& w, float* y, int64_t N, int64_t n0) {
   constexpr int NB = std::max(1, std::min<int>(TILE, ACCUMULATORS / (MB * P)));
   const int64_t end = std::min(n0 + TILE, N);
   int64_t n = n0;
@@ -442,7 +442,9 @@ void q8_groups(const Q8& a, int64_t M, int64_t begin, int64_t end) {
 // each path's groups compiled for its instructions (flatten: everything they call is inlined into them)
 using Groups = void (*)(const Q8&, int64_t, int64_t, int64_t);
 template <int BITS>
-void q8_scalar(const Q8& a, int64_t M, int64_t begin, int64_t end) { q8_groups<Scalar, BITS>(a, M, begin, end); }
+FMA_CLONES void q8_scalar(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  q8_groups<Scalar, BITS>(a, M, begin, end);
+}
 #if defined(__x86_64__)
 template <int BITS>
 TARGET_AVX2 __attribute__((flatten)) void q8_avx2(const Q8& a, int64_t M, int64_t begin, int64_t end) {
@@ -489,7 +491,7 @@ std::vector<std::string> q8_path_names() {
 }
 
 // per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q
-void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
+FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
   for (int64_t r = 0; r < blocks; r++, x += BLOCK, q += BLOCK) {
     float amax = 0;
     for (int j = 0; j < BLOCK; j++) amax = std::max(amax, std::fabs(x[j]));
