@@ -275,7 +275,7 @@ typedef uint8_t u8x32 __attribute__((vector_size(32)));
 typedef int32_t i32x8 __attribute__((vector_size(32)));
 typedef float f32x8 __attribute__((vector_size(32)));
 
-// Each path works on LANES of a group's 16 rows at a time (its vector width) with U (4 code bytes a lane), I and F
+// Each path works on a group's 16 rows LANES at a time (its vector width) with U (4 code bytes a lane), I and F
 // (a lane's int32 and float32); dot(acc, w, x4) adds to each lane the 4 products of its 4 code bytes (unsigned) with
 // the 4 signed bytes of x4; DIRECT: for Q8_0's codes (q + 128) it adds q * x, else w * x (the caller then subtracts
 // 128 sum(x)). fma(a, b, c) lane by lane, fused.
@@ -368,71 +368,66 @@ struct Q8 {
   int64_t K, N;
 };
 
-// y[m0 : m0 + MT, 16 g + r0 : 16 g + r0 + LANES] (rows past N are padding: not written)
+// y[m0 : m0 + MT, 16 g : 16 g + 16] (rows past N are padding: not written), in H = 16 / LANES vectors of rows: each
+// 4-byte broadcast of x feeds all H (AVX2's two halves of a group share the broadcasts)
 template <class P, int BITS, int MT>
-void q8_lanes(const Q8& a, int64_t g, int64_t r0, int64_t m0) {
+void q8_group(const Q8& a, int64_t g, int64_t m0) {
   typedef typename P::U U;
   typedef typename P::I I;
   typedef typename P::F F;
   constexpr int VECTORS = BITS == 4 ? 4 : 8;  // 64-byte code vectors a block (16 rows x 4 bytes)
+  constexpr int H = ROWS / P::LANES;
   const int64_t blocks = a.K / BLOCK;
-  const uint8_t* c = a.codes + g * blocks * VECTORS * 64 + 4 * r0;
-  const at::Half* s = a.dm + g * blocks * 2 * ROWS + r0;
-  F acc[MT] = {};
+  const uint8_t* c = a.codes + g * blocks * VECTORS * 64;
+  const at::Half* s = a.dm + g * blocks * 2 * ROWS;
+  F acc[MT][H] = {};
   for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
-    I sums[MT] = {};
-    auto add_vector = [&](int j) {
-      U v;
-      std::memcpy(&v, c + 64 * j, sizeof v);
-      const U low = BITS == 4 ? v & 15 : v;  // weights 4j .. 4j + 3 of each row (Q4_1: its low nibbles)
-      for (int i = 0; i < MT; i++) {
-        int32_t x4;
-        std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 4 * j, 4);
-        sums[i] = P::dot(sums[i], low, x4);
-      }
-      if (BITS == 4) {  // high nibbles: weights 16 + 4j .. 16 + 4j + 3
-        const U high = v >> 4;
+    I sums[MT][H] = {};
+    auto add_vector = [&](int j) {  // its low nibbles (Q4_1) or bytes: weights 4j .. 4j + 3 of each row, then
+      U v[H];                          // Q4_1's high nibbles: weights 16 + 4j .. 16 + 4j + 3
+      for (int h = 0; h < H; h++) std::memcpy(&v[h], c + 64 * j + sizeof(U) * h, sizeof(U));
+      for (int part = 0; part < (BITS == 4 ? 2 : 1); part++) {
+        U w[H];
+        for (int h = 0; h < H; h++) w[h] = BITS == 8 ? v[h] : part ? v[h] >> 4 : v[h] & 15;
         for (int i = 0; i < MT; i++) {
           int32_t x4;
-          std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 16 + 4 * j, 4);
-          sums[i] = P::dot(sums[i], high, x4);
+          std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 16 * part + 4 * j, 4);
+          for (int h = 0; h < H; h++) sums[i][h] = P::dot(sums[i][h], w[h], x4);
         }
       }
     };
-    // AVX2's 16 registers hold 4 tokens' sums and accumulators, not also every code vector of a block unrolled: from
-    // 4 tokens the vectors go one at a time (4 tokens 5% faster on a Zen 3, the same bits)
+    // AVX2's 16 registers hold 4 tokens' sums for both halves, not also every code vector of a block unrolled: from
+    // 4 tokens the vectors go one at a time
     if constexpr (P::LANES == 8 && MT >= 4) {
 #pragma GCC unroll 1
       for (int j = 0; j < VECTORS; j++) add_vector(j);
     } else {
       for (int j = 0; j < VECTORS; j++) add_vector(j);
     }
-    const F d = P::widen(s), m = P::widen(s + ROWS);
-    for (int i = 0; i < MT; i++) {
-      sums[i] = P::finish(sums[i]);
-      const int64_t at = (m0 + i) * blocks + b;
-      if (BITS == 8 && !P::DIRECT) sums[i] -= a.x128[at];
-      acc[i] = P::fma(__builtin_convertvector(sums[i], F), d * a.xd[at], acc[i]);
-      if (BITS == 4) acc[i] = P::fma(m, F{} + a.xdt[at], acc[i]);
+    for (int h = 0; h < H; h++) {
+      const F d = P::widen(s + h * P::LANES), m = P::widen(s + ROWS + h * P::LANES);
+      for (int i = 0; i < MT; i++) {
+        sums[i][h] = P::finish(sums[i][h]);
+        const int64_t at = (m0 + i) * blocks + b;
+        if (BITS == 8 && !P::DIRECT) sums[i][h] -= a.x128[at];
+        acc[i][h] = P::fma(__builtin_convertvector(sums[i][h], F), d * a.xd[at], acc[i][h]);
+        if (BITS == 4) acc[i][h] = P::fma(m, F{} + a.xdt[at], acc[i][h]);
+      }
     }
   }
-  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(P::LANES, a.N - g * ROWS - r0));
-  for (int i = 0; i < MT; i++) std::memcpy(a.y + (m0 + i) * a.N + g * ROWS + r0, &acc[i], sizeof(float) * rows);
+  const int64_t rows = std::max<int64_t>(0, std::min<int64_t>(ROWS, a.N - g * ROWS));
+  for (int i = 0; i < MT; i++) std::memcpy(a.y + (m0 + i) * a.N + g * ROWS, acc[i], sizeof(float) * rows);
 }
 
-template <class P, int BITS, int MT>
-void q8_group(const Q8& a, int64_t g, int64_t m0) {
-  for (int64_t r0 = 0; r0 < ROWS; r0 += P::LANES) q8_lanes<P, BITS, MT>(a, g, r0, m0);
-}
-
-// every token of groups [begin, end): MAX_TOKENS at a time, then 4, 3, 2, 1 (3 in one pass, not 2 + 1: a 2-candidate
-// tree's step; SmolLM2's 210 linears over 3 tokens 11.2 -> 9.6 ms on one Zen 3 core)
+// every token of groups [begin, end): MAX_TOKENS at a time (8-lane paths: 4, whose two halves' sums for 8 tokens
+// would not fit 16 registers), then 4, 3, 2, 1 (3 in one pass, not 2 + 1: a 2-candidate tree's step)
 template <class P, int BITS>
 void q8_groups(const Q8& a, int64_t M, int64_t begin, int64_t end) {
+  constexpr int MOST = P::LANES == 8 ? 4 : MAX_TOKENS;
   for (int64_t g = begin; g < end; g++) {
     int64_t m = 0;
-    for (; m + MAX_TOKENS <= M; m += MAX_TOKENS) q8_group<P, BITS, MAX_TOKENS>(a, g, m);
-    if (m + 4 <= M) q8_group<P, BITS, 4>(a, g, m), m += 4;
+    for (; m + MOST <= M; m += MOST) q8_group<P, BITS, MOST>(a, g, m);
+    if (MOST > 4 && m + 4 <= M) q8_group<P, BITS, 4>(a, g, m), m += 4;
     if (m + 3 <= M) q8_group<P, BITS, 3>(a, g, m), m += 3;
     if (m + 2 <= M) q8_group<P, BITS, 2>(a, g, m), m += 2;
     if (m < M) q8_group<P, BITS, 1>(a, g, m);
