@@ -83,7 +83,7 @@ void tile(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_
 
 template <int NB, bool PREFETCH>
 FMA_CLONES void all_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0,
-              const float* next) {
+                         const float* next) {
   int64_t m = 0;
   for (; m + TX <= M; m += TX) tile<TX, NB, PREFETCH>(x, w, y, K, N, m, n0, next);
   switch (M - m) {
@@ -383,8 +383,10 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
   F acc[MT][H] = {};
   for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
     I sums[MT][H] = {};
-    auto add_vector = [&](int j) {  // its low nibbles (Q4_1) or bytes: weights 4j .. 4j + 3 of each row, then
-      U v[H];                          // Q4_1's high nibbles: weights 16 + 4j .. 16 + 4j + 3
+    // code vector j: its bytes (Q8_0) or low nibbles (Q4_1) weights 4j .. 4j + 3 of each row, Q4_1's high nibbles
+    // weights 16 + 4j .. 16 + 4j + 3
+    auto add_vector = [&](int j) {
+      U v[H];
       for (int h = 0; h < H; h++) std::memcpy(&v[h], c + 64 * j + sizeof(U) * h, sizeof(U));
       for (int part = 0; part < (BITS == 4 ? 2 : 1); part++) {
         U w[H];
