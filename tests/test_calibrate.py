@@ -18,6 +18,7 @@ from medusa_decoding.calibrate import (
     grow_tree,
     answer_positions,
     measure_accuracy,
+    measure_batch_latency,
     measure_step_latency,
     measure_yields,
     tried_sizes,
@@ -309,6 +310,22 @@ def test_step_latency_is_one_positive_time_per_tree(oracle, monkeypatch):
     monkeypatch.setattr(decoding, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
     measure_step_latency(medusa, trees[1:], CalibrateConfig(latency_contexts=(32,), latency_repeats=1), confident=True)
     assert sorted(set(chosen)) == [1, 3, 6]
+
+
+def test_step_latency_times_each_tree_alone_whatever_the_text_repeats(oracle, monkeypatch):
+    """The timed row goes back to its prefix after every step, so its text repeats: lookup drafts, which copy what
+    followed before, would graft chains onto the tree and time wider steps than the tree's (a 'plain' step over 9
+    tokens). Every step timed verifies its tree's nodes and no more, on a row that stays."""
+    medusa, _ = oracle
+    paths, _ = grow_tree(HAND, 6)
+    trees = [build(())] + [build(tuple(paths[:n])) for n in (1, 3)]
+    widths, pack = [], decoding.Batch.pack
+    monkeypatch.setattr(decoding.Batch, "pack", lambda self, rows, plans: widths.append(
+        [plan.tree.num_nodes for plan in plans]) or pack(self, rows, plans))
+    for measure in (measure_step_latency, measure_batch_latency):
+        widths.clear()
+        measure(medusa, trees, CalibrateConfig(latency_contexts=(32,), latency_repeats=6, batch_sizes=(1,)))
+        assert widths == [[tree.num_nodes] for _ in range(7) for tree in trees], measure.__name__
 
 
 def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys):

@@ -306,7 +306,8 @@ def measure_step_latency(medusa, trees: list[Tree], config: CalibrateConfig = DE
     """
     model, heads, device = medusa.model, medusa.heads, medusa.model.device
     contexts = latency_contexts(medusa, trees, config)
-    budget = GenerationConfig(max_new_tokens=step_budget(trees))
+    # the tree alone: lookup drafts would graft chains onto it (a rewound row repeats the text they copy)
+    budget = GenerationConfig(max_new_tokens=step_budget(trees), lookup=0)
     table = []
     for prefix_len in contexts:
         prompt = torch.randint(heads.config.vocab_size, (prefix_len,), generator=torch.Generator().manual_seed(0))
@@ -420,7 +421,8 @@ def measure_batch_latency(medusa, trees: list[Tree], config: CalibrateConfig = D
     longest = max(t.depth for t in trees) + 1  # the most a step yields
     # no row done, no tree cut at the budget's end, whatever is accepted (not a token per node: the context is finite);
     # the compiled engine takes two steps a timing (time_steps)
-    budget = GenerationConfig(max_new_tokens=longest * (2 * (config.latency_repeats + 1) * len(trees) + 1) + 1)
+    budget = GenerationConfig(max_new_tokens=longest * (2 * (config.latency_repeats + 1) * len(trees) + 1) + 1,
+                              lookup=0)
     table = []
     for rows in config.batch_sizes:
         batch = Batch(model, medusa.heads, medusa.compiled)
