@@ -8,8 +8,8 @@ from conftest import tiny_model
 
 from medusa_decoding import cache as kv
 from medusa_decoding.config import GenerationConfig, HeadsConfig
-from medusa_decoding.decoding import Batch
-from medusa_decoding.eager import step_forward
+from medusa_decoding.decoding import Batch, prefill
+from medusa_decoding.eager import Eager, step_forward
 from medusa_decoding import native_layers
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
@@ -151,6 +151,15 @@ def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.
     """[1, 1, N+1, prefix_len+N+1] additive mask of one row's step: every node sees the prefix and its ancestors."""
     lengths, depths = torch.tensor([prefix_len], device=device), tree.depths[None].to(device)
     return kv.step_inputs(lengths, depths, tree.attention[None].to(device), prefix_len + tree.num_nodes, dtype)[1]
+
+
+def engine_prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()):
+    """decoding.prefill, its row moved into a cache as the eager engine keeps it (float16 where the layers run
+    natively: native_layers.CACHE) -> (cache, logits [V], the heads' input states [T, S])."""
+    row, logits, states = prefill(model, prompt, len(prompt), layers)
+    cache = Eager(model, None).cache(None)
+    kv.insert(cache, row, capacity)
+    return cache, logits, states
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, layers: tuple[int, ...] = ()):

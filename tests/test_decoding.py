@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_model
-from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, decode, greedy_reference,
-                            lively_model, random_heads, verify)
+from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, decode, engine_prefill,
+                            greedy_reference, lively_model, random_heads, verify)
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding
@@ -281,10 +281,10 @@ def test_smollm_on_q8_kernels_medusa_is_plain_decoding_to_the_token():
     tree, ids = Tree.from_spec(WIDE_SPARSE), q8.encode(SMOL_PROMPT)
     tokens = torch.randint(q8.heads.config.vocab_size, (tree.num_nodes,), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():  # each node's logits: bitwise those of its token in one-token steps along its path
-        cache, _, _ = prefill(q8.model, ids, len(ids) + tree.num_nodes)
+        cache, _, _ = engine_prefill(q8.model, ids, len(ids) + tree.num_nodes)
         logits = verify(q8.model, cache, tokens, tree, len(ids))[0]
         for path in ([0, 1, 9, 13, 16], [0, 3, 11]):  # two of the tree's root-to-leaf paths
-            cache, _, _ = prefill(q8.model, ids, len(ids) + len(path))
+            cache, _, _ = engine_prefill(q8.model, ids, len(ids) + len(path))
             for depth, node in enumerate(path):
                 one = verify(q8.model, cache, tokens[node : node + 1], decoding.PLAIN, len(ids) + depth)[0]
                 assert torch.equal(one[0], logits[node])

@@ -16,7 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_tokenizer
-from engine_helpers import decode, greedy_reference, lively_model, random_heads, tree_mask, verify
+from engine_helpers import (decode, engine_prefill, greedy_reference, lively_model, random_heads, tree_mask,
+                            verify)
 
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
@@ -224,8 +225,9 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
         q, k, v = torch.randn(1, heads, n, head_dim), *torch.randn(2, 1, kv_heads, keys, head_dim)
         mask = torch.zeros(1, n, keys)
         mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
-        outs = {name: o.attention(q, k, v, mask, 0.125) for name, o in ops.items()}
-        assert all(torch.equal(out, outs["baseline"]) for out in outs.values())
+        for cache in ((k, v), (k.half(), v.half())):  # a float16 cache (the q8 engine's) widened alike
+            outs = {name: o.attention(q, *cache, mask, 0.125) for name, o in ops.items()}
+            assert all(torch.equal(out, outs["baseline"]) for out in outs.values())
     model = use_kernels(gguf_model("llama"), "q8")  # a native layer: its keys, values and output
     config, (*weights, eps, scale) = model.config, native_layers.weights(model)[0]
     x, cos, sin = torch.randn(2, tree.num_nodes, config.hidden_size), *torch.randn(2, 2, tree.num_nodes, 8)
@@ -233,7 +235,7 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
     mask = tree_mask(tree, len(PROMPT), torch.float32, "cpu")[:, 0].expand(2, -1, -1)
     layers = {}
     for name, o in ops.items():
-        cache = [torch.zeros(2, config.num_key_value_heads, 32, 8) for _ in range(2)]
+        cache = [torch.zeros(2, config.num_key_value_heads, 32, 8, dtype=native_layers.CACHE) for _ in range(2)]
         layers[name] = o.layer_q8(x, *weights, *cache, columns, cos, sin, mask, eps, scale), *cache
     assert all(all(map(torch.equal, out, layers["baseline"])) for out in layers.values())
 
@@ -488,6 +490,28 @@ def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads
 
 
 @needs_native
+def test_native_attention_reads_a_float16_cache_as_the_float32_values_it_holds():
+    """The q8 engine's cache holds float16 keys and values: read by every variant, widened exactly (every float16,
+    infinities, NaNs and subnormals included: a key alone gets softmax weight 1, so the output is its value),
+    and the attention over them is bitwise the attention over the same values in float32."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16).reshape(256, 1, 1, 256)
+    q, k = torch.zeros(256, 1, 1, 256), torch.zeros(256, 1, 1, 256, dtype=torch.float16)
+    torch.manual_seed(0)
+    tree = Tree.from_spec(DEFAULT_TREE)
+    n, keys = tree.num_nodes, 150 + tree.num_nodes
+    queries, cache = torch.randn(1, 9, n, 64), torch.randn(2, 1, 3, keys, 64).half()
+    mask = torch.zeros(1, n, keys)
+    mask[:, :, 150:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
+    for name in kernels.cpu_variants():
+        ops = load_native(name)
+        out = ops.attention(q, k, every, None, 1.0).flatten().view(torch.int32)
+        assert torch.equal(out[1:], every.float().flatten().view(torch.int32)[1:]), name
+        assert out[0] == 0  # -0.0: 1 * -0 added to 0 is +0, as in float32
+        widened = ops.attention(queries, *cache.float(), mask, 0.125)
+        assert torch.equal(ops.attention(queries, *cache, mask, 0.125), widened), name
+
+
+@needs_native
 def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
     """A batch of two: row 1's prefix is shorter, the columns between are a hole its mask hides (garbage there, even
     NaN, changes nothing); each row gets bitwise what it gets alone."""
@@ -521,11 +545,11 @@ def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kerne
     tree = Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3
     with torch.inference_mode():
-        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, layers)
+        cache, _, _ = engine_prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, layers)
         logits, hidden = verify(model, cache, tokens, tree, len(PROMPT), layers)
         for leaf in tree.leaf_paths.tolist():
             path = [node for node in leaf if node >= 0]
-            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + len(path), layers)
+            cache, _, _ = engine_prefill(model, PROMPT, len(PROMPT) + len(path), layers)
             for depth, node in enumerate(path):
                 one_logits, one_hidden = verify(model, cache, tokens[node : node + 1], PLAIN, len(PROMPT) + depth,
                                                 layers)
@@ -566,8 +590,9 @@ def test_a_native_layers_step_is_transformers_step_on_llama_shaped_q8_models(fam
     positions, mask = (len(PROMPT) + tree.depths)[None], tree_mask(tree, len(PROMPT), torch.float32, "cpu")
     runs = []
     with torch.inference_mode():
-        for native in (weights, None):
-            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, (1,))
+        for native in (weights, None):  # both over the engine's float16 cache: transformers' reads it widened
+            cache = engine_prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, (1,))[0]
+            assert all(layer.dtype == native_layers.CACHE for layer in cache.layers)
             kv.reserve(cache, 1, len(PROMPT) + tree.num_nodes)
             logits, states = step_forward(model, native, tokens[None], cache, torch.tensor([len(PROMPT)]), positions,
                                           mask, (1,))

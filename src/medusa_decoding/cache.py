@@ -23,11 +23,12 @@ from transformers.cache_utils import DynamicLayer
 
 
 class PreallocatedLayer(DynamicLayer):
-    """A DynamicLayer whose `keys`/`values` are views of buffers of `slots` rows and `capacity` positions."""
+    """A DynamicLayer whose `keys`/`values` are views of buffers of `slots` rows and `capacity` positions, of `dtype`
+    (None: the keys' own; a narrower one rounds the entries as they are written, and `update` widens them back)."""
 
-    def __init__(self, capacity: int, whole: bool = False):
+    def __init__(self, capacity: int, whole: bool = False, dtype: torch.dtype | None = None):
         super().__init__()
-        self.capacity, self.slots, self.whole = capacity, 0, whole
+        self.capacity, self.slots, self.whole, self.storage = capacity, 0, whole, dtype
         self.window = capacity  # the columns a whole cache's step attends (`attend`)
         self.placed: tuple | None = None  # `place`'s index: (rows [B, 1], every head, columns [B, T])
 
@@ -51,12 +52,14 @@ class PreallocatedLayer(DynamicLayer):
             self.key_buffer[self.placed] = key_states.transpose(1, 2)
             self.value_buffer[self.placed] = value_states.transpose(1, 2)
         self.view(rows, end)
+        if self.keys.dtype != key_states.dtype:  # a narrower cache: what transformers' attention reads, widened
+            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
     def begin(self, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
         """Buffers for `slots` rows shaped and typed like keys, values [B, kv_heads, T, head_dim], no entry yet."""
-        self.dtype, self.device, self.is_initialized = keys.dtype, keys.device, True
-        self.keys, self.values = keys[:, :, :0], values[:, :, :0]
+        self.dtype, self.device, self.is_initialized = self.storage or keys.dtype, keys.device, True
+        self.keys, self.values = keys[:, :, :0].to(self.dtype), values[:, :, :0].to(self.dtype)
         self.grow(slots, self.capacity)
 
     def grow(self, slots: int, capacity: int) -> None:
@@ -82,10 +85,11 @@ class PreallocatedLayer(DynamicLayer):
         self.keys, self.values = self.key_buffer[:rows, :, :width], self.value_buffer[:rows, :, :width]
 
 
-def allocate(model: PreTrainedModel, capacity: int, whole: bool = False) -> Cache:
-    """An empty cache with room for `capacity` positions (one request: prompt + new tokens + one tree)."""
+def allocate(model: PreTrainedModel, capacity: int, whole: bool = False, dtype: torch.dtype | None = None) -> Cache:
+    """An empty cache with room for `capacity` positions (one request: prompt + new tokens + one tree), its entries
+    of `dtype` (None: the model's keys')."""
     num_layers = model.config.get_text_config().num_hidden_layers
-    return Cache(layers=[PreallocatedLayer(capacity, whole) for _ in range(num_layers)])
+    return Cache(layers=[PreallocatedLayer(capacity, whole, dtype) for _ in range(num_layers)])
 
 
 def width(cache: Cache) -> int:

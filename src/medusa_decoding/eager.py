@@ -56,7 +56,7 @@ class Eager:
         self.native = native_layers.weights(model)  # None: transformers' forward runs the steps
 
     def cache(self, batch) -> Cache:
-        return kv.allocate(self.model, 0)
+        return kv.allocate(self.model, 0, dtype=native_layers.CACHE if self.native is not None else None)
 
     def nodes(self, plans: list) -> int:
         """The step's width: the largest tree to verify."""

@@ -72,8 +72,9 @@ HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
-VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"], "avx2": ["-mavx2", "-mfma"],
-            "baseline": []}
+# (F16C, which widens a float16 cache, came with AVX2 on every CPU that has it)
+VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+            "avx2": ["-mavx2", "-mfma", "-mf16c"], "baseline": []}
 VARIANT_ENV = "MEDUSA_ISA"  # forces a variant for the whole engine (one this CPU runs)
 OPS = None  # the engine's variant's ops (torch.ops.medusa_<variant>), once load_native has loaded them
 

@@ -6,6 +6,10 @@ per-head norms, SiLU MLP, full attention) on q8 linears, a step runs the embeddi
 embedding, the final norm and the LM head as `transformers` does and each layer in one call; the prefill, and
 every other model or kernel, keep `transformers`' forward. The cache, positions and mask are the eager engine's;
 plain and MEDUSA steps both go through here, so MEDUSA's greedy output is still plain decoding's on this engine.
+
+The cache holds float16 keys and values (llama.cpp's default too): at long contexts a step's attention reads the
+whole cache and its time is that reading, so half the bytes is most of what a long context costs; the rounding is
+the same on every instruction set, a key's before any query reads it, in a tree pass as in a one-token pass.
 """
 
 import torch
@@ -15,6 +19,7 @@ from . import kernels
 from .heads import heads_input
 
 LAYERS = ("LlamaDecoderLayer", "MistralDecoderLayer")
+CACHE = torch.float16  # the cache's entries on this engine
 PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                "mlp.up_proj", "mlp.down_proj")
 

@@ -10,10 +10,11 @@
 // SmolLM2's 30 layers at a 512-token context, 1 / 4 / 9 tokens, 1.0 / 1.9 / 3.4 ms against 1.0 / 2.5 / 5.0 before
 // (a step over 3 candidates 20.1 ms against 21.2, plain 15.6 either way; at 1536 tokens 25.4 against 29.7).
 //
-// q [B, H, T, D], k and v [B, Hkv, S, D] (H a multiple of Hkv: grouped-query attention; rows contiguous), mask
-// [B, T, S] additive (0: seen, anything else: not; none: every key) -> [B, T, H, D]. The seen keys are taken in column
-// order, the cache's: the prefix, then the tree's nodes, parents before children (position order). The B sequences of
-// a batch are independent: the columns a row's mask hides (another row's longer prefix) are never read.
+// q [B, H, T, D] float32, k and v [B, Hkv, S, D] both float32 or both float16 (a cache of half the bytes, widened
+// exactly as read; H a multiple of Hkv: grouped-query attention; rows contiguous), mask [B, T, S] additive (0: seen,
+// anything else: not; none: every key) -> [B, T, H, D]. The seen keys are taken in column order, the cache's: the
+// prefix, then the tree's nodes, parents before children (position order). The B sequences of a batch are
+// independent: the columns a row's mask hides (another row's longer prefix) are never read.
 #include <torch/library.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -22,6 +23,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -46,8 +48,8 @@ inline int64_t chunks_of(int64_t D) {  // vectors in a row of the head dim
   return C ? C : (D + LANES - 1) / LANES;
 }
 
-template <int C>
-inline F16 chunk(const float* x, int64_t c, int64_t D) {
+template <int C, typename E>  // E: float, or uint16_t for a float16 cache's bits
+inline F16 chunk(const E* x, int64_t c, int64_t D) {
   return C ? load16(x + c * LANES) : load16(x + c * LANES, std::min(LANES, D - c * LANES));
 }
 
@@ -62,8 +64,8 @@ struct Query {
 };
 
 // scores of the keys cols[i0:i1] (i0 a multiple of 16), into p; the running maximum in top16
-template <int C>
-void scores(Query& a, const float* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
+template <int C, typename E>
+void scores(Query& a, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
   const std::vector<int64_t>& cols = *a.cols;
   const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
   F16 q[MAX_HEAD_DIM / LANES];
@@ -75,7 +77,7 @@ void scores(Query& a, const float* K, int64_t i0, int64_t i1, int64_t D, int64_t
         acc[j] = zero();
         continue;
       }
-      const float* kp = K + cols[i + j] * krow;
+      const E* kp = K + cols[i + j] * krow;
       F16 s = q[0] * chunk<C>(kp, 0, D);
       for (int64_t c = 1; c < chunks; c++) s = fma(q[c], chunk<C>(kp, c, D), s);
       acc[j] = half(s);
@@ -100,14 +102,14 @@ void exponentials(Query& a) {
 }
 
 // the values of the keys cols[i0:i1], weighted, added to out key by key
-template <int C>
-void values(Query& a, const float* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
+template <int C, typename E>
+void values(Query& a, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
   const std::vector<int64_t>& cols = *a.cols;
   const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
   F16 out[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) out[c] = a.out[c];
   for (int64_t i = i0; i < n; i++) {
-    const float* vp = V + cols[i] * vrow;
+    const E* vp = V + cols[i] * vrow;
     for (int64_t c = 0; c < chunks; c++) out[c] = fma(a.p[i], chunk<C>(vp, c, D), out[c]);
   }
   for (int64_t c = 0; c < chunks; c++) a.out[c] = out[c];
@@ -116,16 +118,16 @@ void values(Query& a, const float* V, int64_t i0, int64_t i1, int64_t D, int64_t
 // Queries that share a kv group, tile by tile of keys: a tile's keys (then values) are read from memory once and
 // then from L1 by every other query of the group, whose prefix they all see (the cache is read once per group a
 // step, not once per query head and tree node). Each query's arithmetic is what it would be alone.
-template <int C>
-FMA_CLONES void attend_group(std::vector<Query>& group, const float* K, const float* V, int64_t D, int64_t krow,
-                             int64_t vrow, float scale) {
+template <int C, typename E>
+FMA_CLONES void attend_group(std::vector<Query>& group, const E* K, const E* V, int64_t D, int64_t krow, int64_t vrow,
+                             float scale) {
   int64_t n = 0;
   for (const Query& a : group) n = std::max<int64_t>(n, a.cols->size());
   for (int64_t i = 0; i < n; i += TILE_KEYS)
-    for (Query& a : group) scores<C>(a, K, i, i + TILE_KEYS, D, krow, scale);
+    for (Query& a : group) scores<C, E>(a, K, i, i + TILE_KEYS, D, krow, scale);
   for (Query& a : group) exponentials(a);
   for (int64_t i = 0; i < n; i += TILE_KEYS)
-    for (Query& a : group) values<C>(a, V, i, i + TILE_KEYS, D, vrow);
+    for (Query& a : group) values<C, E>(a, V, i, i + TILE_KEYS, D, vrow);
   const int64_t chunks = chunks_of<C>(D);
   for (Query& a : group)
     for (int64_t c = 0; c < chunks; c++) store16(a.o + c * LANES, a.out[c] * a.inverse, std::min(LANES, D - c * LANES));
@@ -141,8 +143,9 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3),
               "medusa::attention: q [B, H, T, D], k and v [B, Hkv, S, D]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "medusa::attention: float32 only");
+  const bool half = k.scalar_type() == at::kHalf;  // a float16 cache, widened as it is read
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (half || k.scalar_type() == at::kFloat) &&
+              v.scalar_type() == k.scalar_type(), "medusa::attention: q float32, k and v both float32 or both float16");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && D <= MAX_HEAD_DIM, "medusa::attention: H a multiple of Hkv, D <= 256");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "medusa::attention: k and v rows contiguous");
@@ -167,15 +170,19 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t G = H / Hkv;
   const at::Tensor qc = q.transpose(1, 2).contiguous();  // [B, T, H, D]: a query's heads side by side
   at::Tensor out = at::empty({B, T, H, D}, q.options());
-  const float *Q = qc.data_ptr<float>(), *K = k.data_ptr<float>(), *V = v.data_ptr<float>();
+  const float* Q = qc.data_ptr<float>();
   float* O = out.data_ptr<float>();
   // tasks: each kv group's G * T queries in `parts` runs, so that 2 threads share SmolLM2's 3 groups evenly
   const int64_t queries = G * T, groups = B * Hkv;
   const int64_t parts = std::min(queries, std::max<int64_t>(1, (2 * at::get_num_threads() + groups - 1) / groups));
   const int64_t per = (queries + parts - 1) / parts;
-  const auto run = D % LANES == 0 && D / LANES == 4   ? attend_group<4>
-                   : D % LANES == 0 && D / LANES == 8 ? attend_group<8>
-                                                      : attend_group<0>;
+  const auto run = [&](const auto* K, const auto* V, std::vector<Query>& group) {
+    using E = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
+    const auto kernel = D % LANES == 0 && D / LANES == 4   ? attend_group<4, E>
+                        : D % LANES == 0 && D / LANES == 8 ? attend_group<8, E>
+                                                           : attend_group<0, E>;
+    kernel(group, K, V, D, k.stride(2), v.stride(2), float(scale));
+  };
   at::parallel_for(0, groups * parts, 1, [&](int64_t begin, int64_t end) {
     const int64_t padded = (S + LANES - 1) / LANES * LANES, chunks = chunks_of<0>(D);
     std::vector<float> p(per * padded);
@@ -190,8 +197,12 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
         group.push_back({Q + (bt * H + h) * D, O + (bt * H + h) * D, &seen[bt], p.data() + slot * padded,
                          outs.data() + slot * chunks, splat16(-INFINITY), 0});
       }
-      run(group, K + b * k.stride(0) + g * k.stride(1), V + b * v.stride(0) + g * v.stride(1), D, k.stride(2),
-          v.stride(2), float(scale));
+      const int64_t kat = b * k.stride(0) + g * k.stride(1), vat = b * v.stride(0) + g * v.stride(1);
+      if (half)
+        run(reinterpret_cast<const uint16_t*>(k.data_ptr<at::Half>()) + kat,
+            reinterpret_cast<const uint16_t*>(v.data_ptr<at::Half>()) + vat, group);
+      else
+        run(k.data_ptr<float>() + kat, v.data_ptr<float>() + vat, group);
     }
   });
   return out;

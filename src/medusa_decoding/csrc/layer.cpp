@@ -6,7 +6,7 @@
 // one-token pass gives it), and simd.h's exp gives the same bits on every variant.
 //
 // x [B, T, H]; norms [H]; codes, scales: the q8 packs (kernels.q8_pack) of q, k, v, o, gate, up, down and `outs`
-// their output sizes; keys and values: the cache's buffers [slots, Hkv, capacity, D], where row b's token t is
+// their output sizes; keys and values: the cache's float16 buffers [slots, Hkv, capacity, D], where row b's token t is
 // written at column columns[b, t] before the attention reads columns 0..S-1 under mask [B, T, S] (additive, 0:
 // seen); cos, sin [B, T, D]: the rotary embedding at the tokens' positions (the model's own, any scaling).
 #include <torch/library.h>
@@ -85,8 +85,9 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   const int64_t B = x.size(0), T = x.size(1), H = x.size(2), M = B * T, D = keys.size(3), Hkv = keys.size(1);
   const int64_t heads = outs[0] / D, S = mask.size(2);
   TORCH_CHECK(keys.dim() == 4 && keys.sizes() == values.sizes() && keys.is_contiguous() && values.is_contiguous() &&
-              keys.size(0) >= B && S <= keys.size(2) && outs[1] == Hkv * D && outs[2] == Hkv * D,
-              "medusa::layer_q8: keys and values [slots >= B, Hkv, capacity >= S, D], k and v Hkv * D wide");
+              keys.scalar_type() == at::kHalf && values.scalar_type() == at::kHalf && keys.size(0) >= B &&
+              S <= keys.size(2) && outs[1] == Hkv * D && outs[2] == Hkv * D,
+              "medusa::layer_q8: float16 keys and values [slots >= B, Hkv, capacity >= S, D], k and v Hkv * D wide");
   TORCH_CHECK(columns.sizes() == at::IntArrayRef({B, T}) && columns.scalar_type() == at::kLong &&
               cos.sizes() == at::IntArrayRef({B, T, D}) && sin.sizes() == cos.sizes() &&
               mask.sizes() == at::IntArrayRef({B, T, S}), "medusa::layer_q8: columns [B, T], cos and sin [B, T, D], "
@@ -102,11 +103,11 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   rotate(q, heads, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   rotate(k, Hkv, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   const int64_t* column = cols.data_ptr<int64_t>();
-  for (int64_t r = 0; r < M; r++)  // token r of row r / T: each kv head's key and value to its column
-    for (int64_t g = 0; g < Hkv; g++) {
+  for (int64_t r = 0; r < M; r++)  // token r of row r / T: each kv head's key and value to its column, rounded
+    for (int64_t g = 0; g < Hkv; g++) {  // to float16 as torch's conversion rounds (to nearest, ties to even)
       const int64_t at = ((r / T * Hkv + g) * keys.size(2) + column[r]) * D;
-      std::copy_n(k.data_ptr<float>() + (r * Hkv + g) * D, D, keys.data_ptr<float>() + at);
-      std::copy_n(v.data_ptr<float>() + (r * Hkv + g) * D, D, values.data_ptr<float>() + at);
+      std::copy_n(k.data_ptr<float>() + (r * Hkv + g) * D, D, keys.data_ptr<at::Half>() + at);
+      std::copy_n(v.data_ptr<float>() + (r * Hkv + g) * D, D, values.data_ptr<at::Half>() + at);
     }
   const at::Tensor seen_keys = keys.narrow(0, 0, B).narrow(2, 0, S);
   const at::Tensor seen_values = values.narrow(0, 0, B).narrow(2, 0, S);

@@ -99,6 +99,35 @@ inline F16 load16(const float* x, int64_t count) {  // lanes past count are 0
   return load16(buffer);
 }
 
+// 16 float16 values (their bits) at x, widened to float32: exact, so every variant reads the same floats
+inline F16 load16(const uint16_t* x) {
+#if SIMD_W == 16
+  return F16{{(V)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x))}};
+#elif SIMD_W == 8
+  return F16{{(V)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)x)),
+              (V)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(x + 8)))}};
+#else
+  F16 a;
+  for (int i = 0; i < P; i++) {  // a float16's fields moved into a float32's
+    I h, bits;
+    for (int l = 0; l < W; l++) h[l] = x[i * W + l];
+    const I exponent = h & 0x7c00, normal = ((h & 0x7fff) << 13) + (112 << 23);  // the exponent's bias 15 -> 127
+    const V small = to_float(h & 0x3ff) * 0x1p-24f;  // exponent 0: zero or subnormal, mantissa * 2^-24
+    std::memcpy(&bits, &small, sizeof bits);
+    bits = exponent == 0 ? bits : exponent == 0x7c00 ? normal + (112 << 23) : normal;  // infinities, NaNs: 255
+    bits |= (h & 0x8000) << 16;
+    std::memcpy(&a.p[i], &bits, sizeof bits);
+  }
+  return a;
+#endif
+}
+
+inline F16 load16(const uint16_t* x, int64_t count) {  // lanes past count are 0
+  uint16_t buffer[16] = {};
+  std::memcpy(buffer, x, sizeof(uint16_t) * count);
+  return load16(buffer);
+}
+
 inline void store16(float* x, F16 a, int64_t count = 16) {
   float buffer[16];
   for (int i = 0; i < P; i++) std::memcpy(buffer + i * W, &a.p[i], sizeof(V));
