@@ -85,7 +85,7 @@ def main() -> None:
     by_context = {name: [] for name in kernels}  # a plain step at each of CONTEXTS
     for name, medusa in models.items():
         with variant(name):
-            timing = CalibrateConfig(latency_repeats=5, latency_contexts=CONTEXTS)
+            timing = CalibrateConfig(latency_repeats=15, latency_contexts=CONTEXTS)
             by_context[name] = [row[0] for row in measure_step_latency(medusa, trees[:1], timing)[1]]
 
     prompts = [q.turns[0] for q in read_questions(args.questions, limit=PROMPTS)]
