@@ -57,7 +57,8 @@ class PreallocatedLayer(DynamicLayer):
         return self.keys, self.values
 
     def begin(self, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
-        """Buffers for `slots` rows shaped and typed like keys, values [B, kv_heads, T, head_dim], no entry yet."""
+        """Buffers for `slots` rows shaped like keys, values [B, kv_heads, T, head_dim] (and typed like them unless the
+        layer's dtype says otherwise), no entry yet."""
         self.dtype, self.device, self.is_initialized = self.storage or keys.dtype, keys.device, True
         self.keys, self.values = keys[:, :, :0].to(self.dtype), values[:, :, :0].to(self.dtype)
         self.grow(slots, self.capacity)
