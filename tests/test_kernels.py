@@ -21,7 +21,6 @@ from engine_helpers import (decode, engine_prefill, greedy_reference, lively_mod
 
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding import cache as kv
 from medusa_decoding import native_layers
 from medusa_decoding.decoding import PLAIN, prefill
 from medusa_decoding.eager import step_forward
@@ -593,7 +592,6 @@ def test_a_native_layers_step_is_transformers_step_on_llama_shaped_q8_models(fam
         for native in (weights, None):  # both over the engine's float16 cache: transformers' reads it widened
             cache = engine_prefill(model, PROMPT, len(PROMPT) + tree.num_nodes, (1,))[0]
             assert all(layer.dtype == native_layers.CACHE for layer in cache.layers)
-            kv.reserve(cache, 1, len(PROMPT) + tree.num_nodes)
             logits, states = step_forward(model, native, tokens[None], cache, torch.tensor([len(PROMPT)]), positions,
                                           mask, (1,))
             runs.append([logits, states, *(b[0, :, nodes] for layer in cache.layers

@@ -177,7 +177,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   const int64_t parts = std::min(queries, std::max<int64_t>(1, (2 * at::get_num_threads() + groups - 1) / groups));
   const int64_t per = (queries + parts - 1) / parts;
   const auto run = [&](const auto* K, const auto* V, std::vector<Query>& group) {
-    using E = std::remove_const_t<std::remove_pointer_t<decltype(K)>>;
+    using E = std::decay_t<decltype(*K)>;
     const auto kernel = D % LANES == 0 && D / LANES == 4   ? attend_group<4, E>
                         : D % LANES == 0 && D / LANES == 8 ? attend_group<8, E>
                                                            : attend_group<0, E>;

@@ -93,12 +93,6 @@ inline F16 load16(const float* x) {
   return a;
 }
 
-inline F16 load16(const float* x, int64_t count) {  // lanes past count are 0
-  float buffer[16] = {};
-  std::memcpy(buffer, x, sizeof(float) * count);
-  return load16(buffer);
-}
-
 // 16 float16 values (their bits) at x, widened to float32: exact, so every variant reads the same floats
 inline F16 load16(const uint16_t* x) {
 #if SIMD_W == 16
@@ -122,9 +116,10 @@ inline F16 load16(const uint16_t* x) {
 #endif
 }
 
-inline F16 load16(const uint16_t* x, int64_t count) {  // lanes past count are 0
-  uint16_t buffer[16] = {};
-  std::memcpy(buffer, x, sizeof(uint16_t) * count);
+template <typename E>  // float or float16 bits
+inline F16 load16(const E* x, int64_t count) {  // lanes past count are 0
+  E buffer[16] = {};
+  std::memcpy(buffer, x, sizeof(E) * count);
   return load16(buffer);
 }
 
