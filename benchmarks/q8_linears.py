@@ -5,7 +5,7 @@ arithmetic) are called in turn over 1, 2, 4, 8 and 16 tokens, for each variant b
 and each q8 instruction path that build runs (kernels.Q8_PATHS: AVX-512 VNNI, AVX-VNNI, AVX2; the plain C++ path
 on the baseline build). Every round times every (path, tokens) pass once, in turn, so a burst of load from elsewhere
 hits all of them; a pass over T tokens is judged by its ratio to the one-token pass of the same round (the median
-of those paired ratios: this VM's speed drifts more from minute to minute than the ratio does). 1 token is
+of those paired ratios: a shared machine's speed drifts more from minute to minute than the ratio does). 1 token is
 memory-bound (the weights stream from memory), a tree's few tokens compute-bound: on a CPU a MEDUSA tree pays when
 its pass costs little more than one token's (issue 47 asks the AVX2 path's 4 tokens for <= 1.3x).
 Prints a table, writes JSON and a PNG.   usage: .venv/bin/python benchmarks/q8_linears.py [--out PREFIX] [--rounds N]
@@ -38,7 +38,8 @@ def main() -> None:
     linears = [(codes, scales, out) for _, _, all_codes, all_scales, outs, _, _ in layers
                for codes, scales, out in zip(all_codes, all_scales, outs)]
     inputs = {t: [torch.randn(t, codes.shape[1] * 32) for codes, _, _ in linears] for t in TOKENS}
-    runs = {}  # "variant/path" -> (ops, path number): each path on the plainest build that runs it
+    runs = {}  # "variant/path" -> (ops, path number): each path on the plainest build that runs it (plain C++:
+    # the baseline build, where nothing else runs)
     for isa in reversed(kernels.cpu_variants()):
         ops = kernels.load_native(isa)
         for number, path in enumerate(kernels.Q8_PATHS):
