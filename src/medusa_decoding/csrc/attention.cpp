@@ -143,8 +143,8 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                      double scale) {
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.sizes() == k.sizes() && q.size(0) == k.size(0) && q.size(3) == k.size(3),
               "medusa::attention: q [B, H, T, D], k and v [B, Hkv, S, D]");
-  const bool half = k.scalar_type() == at::kHalf;  // a float16 cache, widened as it is read
-  TORCH_CHECK(q.scalar_type() == at::kFloat && (half || k.scalar_type() == at::kFloat) &&
+  const bool float16 = k.scalar_type() == at::kHalf;  // a float16 cache, widened as it is read
+  TORCH_CHECK(q.scalar_type() == at::kFloat && (float16 || k.scalar_type() == at::kFloat) &&
               v.scalar_type() == k.scalar_type(), "medusa::attention: q float32, k and v both float32 or both float16");
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2);
   TORCH_CHECK(Hkv > 0 && H % Hkv == 0 && D <= MAX_HEAD_DIM, "medusa::attention: H a multiple of Hkv, D <= 256");
@@ -198,7 +198,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
                          outs.data() + slot * chunks, splat16(-INFINITY), 0});
       }
       const int64_t kat = b * k.stride(0) + g * k.stride(1), vat = b * v.stride(0) + g * v.stride(1);
-      if (half)
+      if (float16)
         run(reinterpret_cast<const uint16_t*>(k.data_ptr<at::Half>()) + kat,
             reinterpret_cast<const uint16_t*>(v.data_ptr<at::Half>()) + vat, group);
       else
