@@ -383,7 +383,8 @@ def cache_for(batch, model: PreTrainedModel) -> Cache:
     free = CACHES.setdefault(model, [])
     if free:
         cache = free.pop()
-        kv.settle(cache, [], [])  # no rows
+        if cache.layers[0].is_initialized:  # (no row ever joined a batch done at its prefill)
+            kv.settle(cache, [], [])  # no rows
     else:
         cache = kv.allocate(model, CAPACITY, whole=True)
     weakref.finalize(batch, free.append, cache)
