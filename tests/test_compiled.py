@@ -10,7 +10,7 @@ from conftest import FAMILIES, needs_compiler
 from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads, verify
 
 from medusa_decoding import cache as kv
-from medusa_decoding import compiled
+from medusa_decoding import compiled, device_acceptance
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
@@ -82,6 +82,27 @@ def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
 
 
 @needs_compiler
+def test_a_greedy_row_beside_sampled_rows_on_the_device_decodes_as_alone(monkeypatch):
+    """A batch's rows greedy and sampled (rejection with top-k, typical) in one device step (device_acceptance's
+    rules, per row): the greedy row decodes as generate, and no step goes through the host."""
+    model = lively_model("llama", seed=1)
+    engine = use_kernels(copy.deepcopy(model), "compiled")
+    reference = greedy_reference(model, PROMPT, 24)
+    heads = OracleHeads(engine, torch.cat([PROMPT, torch.tensor(reference)]))
+    monkeypatch.setattr(Compiled, "verify", None)  # the host's step: not taken
+    batch, tree = Batch(engine, heads, compiled=True), Tree.from_spec([2, 2, 1])
+    greedy = batch.join(PROMPT, GenerationConfig(max_new_tokens=24), tree)
+    for n, fields in ((5, {"top_k": 3}), (8, {"acceptance": "typical"})):
+        batch.join(PROMPT[:n], GenerationConfig(max_new_tokens=20, temperature=0.9, **fields), tree,
+                   generator=torch.Generator().manual_seed(n))
+    produced, steps = [greedy.root], 0
+    while greedy in batch.rows:
+        produced += next(new for row, new, _ in batch.step() if row is greedy)
+        steps += 1
+    assert produced == reference and steps < 16  # the oracle's paths accepted deep
+
+
+@needs_compiler
 def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_widen():
     """Device steps launched one ahead of the host against steps in turn, both attending windows (as on a GPU): a row
     joins while a step runs ahead, rows leave at different steps (the step run ahead for them dropped, the others'
@@ -148,7 +169,7 @@ def test_device_greedy_acceptance_equals_the_eager_rule(spec):
     # siblings hold distinct tokens (ranks of one top-k), so at most one of them is the argmax
     ranks = torch.cat([torch.zeros(1, dtype=torch.long), tree.ranks, torch.zeros(3, dtype=torch.long)])
     tokens = (torch.randint(0, 4, (rows, nodes), generator=generator).gather(1, parents) + ranks) % 4
-    got = compiled.accept_greedy(tokens, argmax, depths, parents, attention, chains).tolist()
+    got = device_acceptance.accept_greedy(tokens, argmax, depths, parents, attention, chains).tolist()
     lengths = set()
     for b in range(rows):
         logits = torch.nn.functional.one_hot(argmax[b, : tree.num_nodes], 4).float()
@@ -208,15 +229,16 @@ class HostReads(torch.overrides.TorchFunctionMode):
 
 
 @needs_compiler
-@pytest.mark.parametrize("spec", [(), [2, 1]], ids=["plain", "tree"])
-def test_a_greedy_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec):
-    """Batch.step on the compiled engine, greedy under a fixed tree, launched one ahead over windows (as on a GPU): one
-    graph (compiled whole: fullgraph), one read of the device a step, counted where the engine routes its reads
-    (compiled.read) and at every tensor method that reads values; a second request, at another context length,
-    compiles nothing new."""
+@pytest.mark.parametrize("spec, sampling", [((), {}), ([2, 1], {}), ([2, 1], {"temperature": 0.8, "top_p": 0.9})],
+                         ids=["plain", "tree", "sampled tree"])
+def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec, sampling):
+    """Batch.step on the compiled engine under a fixed tree, greedy or sampled (device_acceptance), launched one ahead
+    over windows (as on a GPU): one graph (compiled whole: fullgraph), one read of the device a step, counted where the
+    engine routes its reads (compiled.read) and at every tensor method that reads values; a second request, at
+    another context length, compiles nothing new."""
     model = use_kernels(lively_model("llama"), "compiled")
     heads, tree = random_heads(model), Tree.from_spec(spec) if spec else PLAIN
-    config = GenerationConfig(max_new_tokens=16)
+    config = GenerationConfig(max_new_tokens=16, **sampling)
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)

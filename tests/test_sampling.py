@@ -13,8 +13,9 @@ from conftest import FAMILIES
 from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 from scipy.stats import chisquare
 
-from medusa_decoding import acceptance
+from medusa_decoding import acceptance, device_acceptance
 from medusa_decoding.acceptance import sample, target_probs
+from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import Guard, Ladder
@@ -116,21 +117,24 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
-    ("engine, compiled", {}),  # fixed-shape steps: logits from the graph, the rule on them
+    ("engine, compiled", {}),  # the whole step on the device: its rule in the graph (device_acceptance)
+    ("engine, compiled", {"top_k": 4, "top_p": 0.8}),  # and the device's filters
     ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
+    ("halves-draws, compiled", {}),  # the device's draws in [0, 0.5): accepts with min(1, 2 p), samples low tokens
 ])
 def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, verifier, filters):
     flawed = {"keeps-rejected": flawed_rejection(remove_rejected=False), "doubles-acceptance": flawed_rejection(2.0)}
     if verifier in flawed:
         monkeypatch.setitem(acceptance.RULES, "rejection", flawed[verifier])
+    if verifier.startswith("halves-draws"):
+        draws = device_acceptance.uniforms
+        monkeypatch.setattr(device_acceptance, "uniforms", lambda *args: draws(*args) / 2)
     model, heads = small_model
     heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
     if verifier.endswith("compiled"):
-        if compile_error("cpu") is not None:
-            pytest.skip(f"torch.compile: {compile_error('cpu')}")
-        model = use_kernels(copy.deepcopy(model), "compiled")
+        model = compiled_copy(model, monkeypatch)
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
     if verifier.endswith("confident trees"):
@@ -153,6 +157,14 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         assert p_value < FAIL_P
 
 
+def compiled_copy(model, monkeypatch):
+    """The model on the compiled engine, whose every step (fixed trees) must then run whole on the device."""
+    if compile_error("cpu") is not None:
+        pytest.skip(f"torch.compile: {compile_error('cpu')}")
+    monkeypatch.setattr(Compiled, "verify", None)  # the host's step: not taken
+    return use_kernels(copy.deepcopy(model), "compiled")
+
+
 def test_filters_change_the_distribution(small_model):
     """Otherwise the top-k/top-p case above would test nothing the plain case does not."""
     model, _ = small_model
@@ -172,33 +184,45 @@ def test_sampling_rules_at_temperature_zero_are_greedy(family, rule):
     assert len(steps) < 30  # paths were accepted, not just one token per step
 
 
-def sampled(model, heads, tree, seed: int = 0, **fields) -> list[list[int]]:
+def sampled(model, heads, tree, seed: int = 0, compiled: bool = False, **fields) -> list[list[int]]:
     config = GenerationConfig(temperature=1.0, **fields)
-    return [new for new, _ in decode(model, heads, PROMPT, config, tree, generator=torch.Generator().manual_seed(seed))]
+    generator = torch.Generator().manual_seed(seed)
+    return [new for new, _ in decode(model, heads, PROMPT, config, tree, generator=generator, compiled=compiled)]
+
+
+@pytest.fixture(params=["eager", "compiled"])
+def engine_model(request, small_model, monkeypatch):
+    """(model, heads, sampled()'s keywords): small_model on either engine (compiled: every step whole on the
+    device)."""
+    model, heads = small_model
+    compiled = request.param == "compiled"
+    return compiled_copy(model, monkeypatch) if compiled else model, heads, {"compiled": compiled}
 
 
 @pytest.mark.parametrize("rule", ["typical", "rejection"])
-def test_sampling_respects_the_budget_and_the_seed(small_model, rule):
-    model, heads = small_model
+def test_sampling_respects_the_budget_and_the_seed(engine_model, rule):
+    model, heads, engine = engine_model
     tree = Tree.from_spec(WIDE)
     for budget in (1, 2, 5, 17):
         for seed in range(3):
-            steps = sampled(model, heads, tree, seed, max_new_tokens=budget, acceptance=rule)
+            steps = sampled(model, heads, tree, seed, max_new_tokens=budget, acceptance=rule, **engine)
             assert sum(map(len, steps)) == budget
-            assert steps == sampled(model, heads, tree, seed, max_new_tokens=budget, acceptance=rule)
+            assert steps == sampled(model, heads, tree, seed, max_new_tokens=budget, acceptance=rule, **engine)
 
 
-def test_typical_with_unreachable_thresholds_is_plain_sampling(small_model):
+def test_typical_with_unreachable_thresholds_is_plain_sampling(engine_model):
     """p(x) > min(epsilon, delta * exp(-H)) never holds when epsilon > 1 and delta * exp(-H) > 1: nothing is
     accepted, and each step draws its one token from p as plain sampling does, from the same random stream."""
-    model, heads = small_model
+    model, heads, engine = engine_model
     tree = Tree.from_spec(WIDE)
-    typical = sampled(model, heads, tree, max_new_tokens=40, acceptance="typical", typical_epsilon=2.0, typical_delta=1e9)
-    plain = sampled(model, heads, tree, max_new_tokens=40, medusa=False)
+    typical = sampled(model, heads, tree, max_new_tokens=40, acceptance="typical", typical_epsilon=2.0, typical_delta=1e9,
+                      **engine)
+    plain = sampled(model, heads, tree, max_new_tokens=40, medusa=False, **engine)
     assert typical == plain and all(len(step) == 1 for step in typical)
 
 
-def test_typical_with_zero_thresholds_accepts_every_path_to_the_full_depth(small_model):
-    model, heads = small_model
-    steps = sampled(model, heads, Tree.from_spec(WIDE), max_new_tokens=33, acceptance="typical", typical_epsilon=0.0)
+def test_typical_with_zero_thresholds_accepts_every_path_to_the_full_depth(engine_model):
+    model, heads, engine = engine_model
+    steps = sampled(model, heads, Tree.from_spec(WIDE), max_new_tokens=33, acceptance="typical", typical_epsilon=0.0,
+                    **engine)
     assert [len(step) for step in steps] == [1] + [len(WIDE) + 1] * 8

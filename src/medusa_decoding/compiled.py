@@ -8,13 +8,14 @@ which the step attends a fixed window (cache.py, `whole`, `attend`: the mask hid
 its nodes at a column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows'
 lengths.
 
-A greedy step under a fixed tree (the common case: `Compiled.device_tree`) is one graph that leaves nothing to the
-host (device_graph): verify, accept, move the accepted paths into place, advance the lengths, run the heads on the
-accepted node and write the next step's tree tokens, all in place in buffers that the cache keeps (DeviceRows);
+A step under a fixed tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph that leaves
+nothing to the host (device_graph): verify, accept (device_acceptance.py), move the accepted paths into place,
+advance the lengths, run the heads on the accepted node and write the next step's tree tokens, all in place in
+buffers that the cache keeps (DeviceRows);
 the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
 CUDA graph (`capture`, one per window) and replayed on the same addresses request after request (whole caches are
 pooled per model: `cache_for`), each step launched before the last one is read (DeviceRows, `ahead`). Other steps
-(sampling, confident trees, `--tree auto`'s guard) run verify_graph with greedy acceptance inside, the path mover
+(confident trees, `--tree auto`'s guard) run verify_graph with greedy acceptance inside, the path mover
 (`cache.gather_paths`) and the proposal as graphs of their own, and read the accepted paths. The prefill stays
 eager: it runs once per request, at a length no two requests share.
 
@@ -33,6 +34,7 @@ from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from .base import context_limit
+from .device_acceptance import accept_greedy, accept_sampled
 from .heads import run_backbone
 from .proposal import candidates
 from .tree import Tree, on_device, padded
@@ -51,19 +53,6 @@ def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, len
                                  attention_mask=mask, position_ids=positions)
     logits = model.get_output_embeddings()(hidden)
     return logits, state, accept_greedy(tokens, logits.argmax(-1), depths, parents, attention, chains)
-
-
-def accept_greedy(tokens: torch.Tensor, argmax: torch.Tensor, depths: torch.Tensor, parents: torch.Tensor,
-                  attention: torch.Tensor, chains: torch.Tensor) -> torch.Tensor:
-    """acceptance.greedy for a batch, in tensor ops only (no read of the device): tokens, argmax (the base model's
-    token after each node) [B, T] and the trees' padded tensors -> [B, 2+T]: the accepted count, the token after the
-    path, then the path's node indices (continued by the chains' padding, past the count)."""
-    accepted = (tokens == argmax.gather(1, parents)) | (depths == 0)  # the root (and padding) stands
-    good = ~(attention & ~accepted[:, None, :]).any(-1)  # [B, T]: every node of its path accepted
-    best = (good * (depths + 1)).argmax(-1)  # the deepest: greedy accepts one chain (ties: the root, first)
-    rows = torch.arange(len(tokens), device=tokens.device)
-    count, root = depths[rows, best] + 1, argmax[rows, best]
-    return torch.cat([count[:, None], root[:, None], chains[rows, best]], dim=1)
 
 
 def compile_settings(device_type: str) -> dict:
@@ -104,7 +93,7 @@ def graph(function, device_type: str):
 
 class Compiled:
     """The compiled engine's step functions, as eager.Eager's: steps of fixed shapes through graphs, and where every
-    row is greedy under one fixed tree, the whole step as one graph on the device (device_step)."""
+    row is under one fixed tree, the whole step as one graph on the device (device_step)."""
 
     def __init__(self, model: PreTrainedModel, heads):
         self.model, self.heads = model, heads
@@ -156,14 +145,12 @@ class Compiled:
         kv.settle(cache, packed.lengths, paths)
 
     def device_tree(self, rows: list) -> Tree | None:
-        """The tree of a step that can run whole on the device, else None: every row greedy under the same fixed
-        tree, positions within the model's context for this step and one more (run ahead)."""
+        """The tree of a step that can run whole on the device, else None: every row under the same fixed tree, positions within the model's context for this step and one more (run ahead)."""
         trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in rows}
         if len(trees) != 1:
             return None
         tree, = trees.values()
-        fixed = all(row.config.temperature == 0 and not row.guard.watching and not row.guard.ladder.confident
-                    for row in rows)
+        fixed = all(not row.guard.watching and not row.guard.ladder.confident for row in rows)
         within = max(row.length for row in rows) + 2 * tree.depth + 1 < context_limit(self.model)
         return tree if fixed and within else None
 
@@ -208,18 +195,21 @@ MOVED = set()  # the shapes the path mover has run at (Compiled.commit)
 def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
                  lengths: torch.Tensor, columns: torch.Tensor, heads_input: torch.Tensor, record: torch.Tensor,
                  depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree,
-                 layers: tuple[int, ...], k: int) -> None:
-    """A whole greedy step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
+                 layers: tuple[int, ...], k: int, sampling: tuple | None = None, filters: bool = False) -> None:
+    """A whole step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
     `lengths` [B] (verify_graph; row b's nodes go to the cache at `columns` [B, T], the index every layer holds),
-    accept greedily, move the accepted paths into place (an identity move costs what any other does), advance
+    accept (greedily; where `sampling` holds the rows' parameters, device_acceptance.accept_sampled's rules with
+    `filters`), move the accepted paths into place (an identity move costs what any other does), advance
     `lengths`, keep the accepted node's heads' input state in `heads_input` [B, S], write the next step's tree tokens
     (the next root, then the heads' guesses over `tree`: proposal.candidates) into `tokens`, and the step's outcome into
     `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
     after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
     width = record.shape[1] - 1
     columns.copy_(lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device))
-    _, state, greedy = verify_graph(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
-    count, root, path = greedy[:, 0], greedy[:, 1], greedy[:, 2: 2 + width]
+    logits, state, accepted = verify_graph(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
+    if sampling is not None:  # (the greedy outcome then goes unused, and the compiler drops it)
+        accepted = accept_sampled(tokens, logits, lengths, depths, parents, attention, chains, *sampling, filters)
+    count, root, path = accepted[:, 0], accepted[:, 1], accepted[:, 2: 2 + width]
     if width > 1:
         kv.gather_paths(cache, lengths, path)
     last = path.gather(1, count[:, None] - 1)  # [B, 1]: the accepted node
@@ -231,7 +221,7 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
 
 
-host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a greedy step to one
+host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a device step to one
 
 
 def read(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> list:
@@ -269,6 +259,15 @@ class DeviceRows:
         self.tokens.copy_(tokens)
         self.heads_input.copy_(torch.stack([row.heads_input for row in rows]))
         self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
+        configs = [row.config for row in rows]
+        self.sampling = None  # all greedy; else the rows' parameters of device_acceptance.accept_sampled
+        self.filters = any(c.top_k or c.top_p < 1 for c in configs)
+        if any(c.temperature > 0 for c in configs):
+            self.sampling = self.buffers["sampling"]
+            values = zip(*[(c.temperature, c.top_k, c.top_p, c.rule == "typical", c.typical_epsilon, c.typical_delta,
+                            row.key) for c, row in zip(configs, rows)])
+            for tensor, column in zip(self.sampling, values):
+                tensor.copy_(torch.tensor(column, dtype=tensor.dtype))
         placed = (self.buffers["rows_index"], slice(None), self.columns)
         for layer in cache.layers:
             layer.placed = placed
@@ -292,7 +291,7 @@ class DeviceRows:
         def run() -> None:  # on a GPU captured here, not by inductor
             model_graph(device_graph, model, fullgraph=True, **{"triton.cudagraphs": False})(
                 model, self.heads, lm_head, embed, cache, *self.state, *self.buffers["tree_tensors"], layers=layers,
-                k=self.tree.topk_per_head())
+                k=self.tree.topk_per_head(), sampling=self.sampling, filters=self.filters)
 
         for _ in range(1 + self.ahead - len(self.launched)):
             self.launch(run, cache, window)
@@ -304,9 +303,10 @@ class DeviceRows:
             self.buffers["before"].copy_(self.heads_input)
         if self.tokens.is_cuda:
             graphs, where = self.buffers["graphs"], cache.layers[0].key_buffer.data_ptr()  # grown: capture anew
-            if graphs.get(window, (None, None))[1] != where:
-                graphs[window] = capture(run, self.state), where
-            graphs[window][0].replay()
+            kind = (window, self.sampling is not None, self.filters)
+            if graphs.get(kind, (None, None))[1] != where:
+                graphs[kind] = capture(run, self.state), where
+            graphs[kind][0].replay()
         else:
             run()
         host, self.slot = self.buffers["host"][self.slot], 1 - self.slot
@@ -367,6 +367,9 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dic
             "heads_input": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
             "rows_index": torch.arange(rows, device=device)[:, None], "graphs": {}}
         found["before"] = torch.empty_like(found["heads_input"])  # DeviceRows.launch
+        # temperature, top_k, top_p, typical, epsilon, delta, key (device_acceptance.accept_sampled)
+        found["sampling"] = tuple(torch.zeros(rows, dtype=dtype, device=device) for dtype in (
+            torch.float, torch.long, torch.float, torch.bool, torch.float, torch.float, torch.long))
         found["host"] = [torch.empty(found["record"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
         found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),

@@ -18,6 +18,7 @@ from . import cache as kv
 from .acceptance import RULES, argmax, sample, target_probs
 from .base import check_context
 from .compiled import Compiled
+from .device_acceptance import draw_key
 from .config import GenerationConfig
 from .eager import Eager, Packed, forward
 from .guard import Guard, Ladder, batch_yields
@@ -141,6 +142,7 @@ class Row:
     produced: int = 1  # tokens produced so far, the root included
     drafts: list[LookupDraft] = field(default_factory=list)  # sources of candidates besides the heads (lookup.py)
     drafted: int = 0  # of the last step's tokens, those only a draft proposed
+    key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
 
     @property
     def done(self) -> bool:
@@ -185,7 +187,8 @@ class Batch:
             cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.engine.layers)
             root = first_token(logits, config, generator)
             drafts = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
-            row = Row(config, Guard(ladder, root), eos_ids, generator, root, states[-1], prompt.shape[-1], drafts=drafts)
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, states[-1], prompt.shape[-1], drafts=drafts,
+                      key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
