@@ -14,17 +14,18 @@ from medusa_decoding import compiled, device_acceptance
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, Row, prefill, propose
+from medusa_decoding.decoding import PLAIN, Batch, Row, prefill, propose, propose_confident
 from medusa_decoding.eager import Eager
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import use_kernels
+from medusa_decoding.proposal import confident_tree
 from medusa_decoding.tree import Tree, padded
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
-# three sizes: the confident trees (a different shape each step) have DEFAULT_TREE's size, so they add no graph
+# three static trees and a confident one (its nodes chosen each step, in its step's graph: proposal.confident_tree)
 TREES = (PLAIN, Tree.from_spec([2, 1]), Tree.from_spec(DEFAULT_TREE), Ladder.fixed(Tree.from_spec(DEFAULT_TREE), True))
-SIZES = 3
-PROPOSALS = 2  # the static trees with candidates: a confident tree's proposal chooses its nodes on the host
+DEVICE_STEPS = 4  # one graph per tree (compiled.device_graph)
+PROPOSALS = 2  # the static trees with candidates: their first step's proposal (a confident one's runs eagerly)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -52,10 +53,9 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
     for tree in TREES:
         assert tokens_of(engine, heads[0], PROMPT, tree, new_tokens[0]) == references[0]
     first = graphs() - before
-    # a device step per static tree (compiled.device_graph), a proposal for each one's first step, and for the
-    # confident tree (a new shape each step: on the host) a verification step and the path mover (fewer where a model
-    # of the same shapes compiled them)
-    assert SIZES <= first <= SIZES + PROPOSALS + 2
+    # a device step per tree and a proposal for each static one's first step (fewer where a model of the same shapes
+    # compiled them: the proposal graphs are per heads, not per model)
+    assert DEVICE_STEPS <= first <= DEVICE_STEPS + PROPOSALS
     for tree in TREES:  # another prompt, context and budget (the last steps' trees cut short): no new graph
         assert tokens_of(engine, heads[1], long_prompt, tree, new_tokens[1]) == references[1]
     assert graphs() - before == first
@@ -63,17 +63,19 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 
 @needs_compiler
-# fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path
-@pytest.mark.parametrize("kind, layers", [("medusa", ()), ("medusa", (1,)), ("hydra", ())],
-                         ids=["medusa", "fused", "hydra"])
-def test_compiled_batch_decodes_each_row_as_alone(kind, layers):
+# fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path; confident: each
+# row's tree chosen in the step's graph
+@pytest.mark.parametrize("kind, layers, confident", [("medusa", (), False), ("medusa", (1,), False),
+                                                     ("hydra", (), False), ("hydra", (), True)],
+                         ids=["medusa", "fused", "hydra", "hydra confident"])
+def test_compiled_batch_decodes_each_row_as_alone(kind, layers, confident):
     model = lively_model("qwen2")
     engine = use_kernels(copy.deepcopy(model), "compiled")
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
     batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind), compiled=True)
-    rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), Tree.from_spec([2, 1]))
-            for prompt, n in zip(prompts, budgets)]
+    tree = Ladder.fixed(Tree.from_spec([2, 1]), confident)
+    rows = [batch.join(prompt, GenerationConfig(max_new_tokens=n), tree) for prompt, n in zip(prompts, budgets)]
     produced = {id(row): [row.root] for row in rows}
     while batch.rows:
         for row, new, _ in batch.step():
@@ -181,6 +183,29 @@ def test_device_greedy_acceptance_equals_the_eager_rule(spec):
     assert len(lengths) >= 3
 
 
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_the_confident_tree_in_tensors_is_the_one_the_host_chooses(kind):
+    """proposal.confident_tree (fixed shapes, a batch: what a compiled step runs) against decoding.propose_confident
+    (one row, on the host): the same candidates on the same paths (read through the tree tensors' chains), for trees
+    smaller and larger than the heads' depth."""
+    model = lively_model("llama")
+    heads, lm_head, embed = random_heads(model, kind=kind), model.get_output_embeddings(), model.get_input_embeddings()
+    hidden = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(5)) * 3
+    roots = torch.tensor([5, 9, 11])
+
+    def paths(tokens: torch.Tensor, depths: torch.Tensor, chains: torch.Tensor) -> list[tuple[int, ...]]:
+        return sorted(tuple(tokens[chains[i, : depths[i] + 1]].tolist()) for i in range(len(tokens)))
+
+    with torch.no_grad():
+        for size in (1, 3, 8, 20):
+            tokens, (depths, _, _, chains) = confident_tree(heads, lm_head, embed, hidden, roots, size)
+            for b in range(len(roots)):
+                tree, expected, _ = propose_confident(heads, lm_head, embed, hidden[b], int(roots[b]), size, size)
+                host_depths, _, _, host_chains = padded(tree, size + 1, roots.device)
+                assert tree.num_nodes == size + 1
+                assert paths(tokens[b], depths[b], chains[b]) == paths(expected, host_depths, host_chains)
+
+
 def test_gather_paths_moves_what_commit_moves(family):
     model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
     tokens = torch.randint(0, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
@@ -229,15 +254,17 @@ class HostReads(torch.overrides.TorchFunctionMode):
 
 
 @needs_compiler
-@pytest.mark.parametrize("spec, sampling", [((), {}), ([2, 1], {}), ([2, 1], {"temperature": 0.8, "top_p": 0.9})],
-                         ids=["plain", "tree", "sampled tree"])
-def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(spec, sampling):
-    """Batch.step on the compiled engine under a fixed tree, greedy or sampled (device_acceptance), launched one ahead
-    over windows (as on a GPU): one graph (compiled whole: fullgraph), one read of the device a step, counted where the
-    engine routes its reads (compiled.read) and at every tensor method that reads values; a second request, at
-    another context length, compiles nothing new."""
+@pytest.mark.parametrize("tree, sampling", [
+    (PLAIN, {}), (Tree.from_spec([2, 1]), {}), (Tree.from_spec([2, 1]), {"temperature": 0.8, "top_p": 0.9}),
+    (Ladder.fixed(Tree.from_spec([2, 1]), True), {}), (Ladder.fixed(Tree.from_spec([2, 1]), True), {"temperature": 1})],
+    ids=["plain", "tree", "sampled tree", "confident tree", "sampled confident tree"])
+def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_nothing(tree, sampling):
+    """Batch.step on the compiled engine under a fixed or confident tree, greedy or sampled (device_acceptance),
+    launched one ahead over windows (as on a GPU): one graph (compiled whole: fullgraph), one read of the device a
+    step, counted where the engine routes its reads (compiled.read) and at every tensor method that reads values; a
+    second request, at another context length, compiles nothing new."""
     model = use_kernels(lively_model("llama"), "compiled")
-    heads, tree = random_heads(model), Tree.from_spec(spec) if spec else PLAIN
+    heads = random_heads(model)
     config = GenerationConfig(max_new_tokens=16, **sampling)
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:

@@ -119,6 +119,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
     ("engine, compiled", {}),  # the whole step on the device: its rule in the graph (device_acceptance)
     ("engine, compiled", {"top_k": 4, "top_p": 0.8}),  # and the device's filters
+    ("engine, confident trees, compiled", {}),  # and the device's choice of the likeliest nodes
     ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
@@ -137,7 +138,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         model = compiled_copy(model, monkeypatch)
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
-    if verifier.endswith("confident trees"):
+    if "confident trees" in verifier:
         tree = Ladder.fixed(tree, confident=True)
     if verifier.endswith("lookup drafts alone"):  # every verifier but this one has the drafts beside the heads
         tree = PLAIN

@@ -8,14 +8,14 @@ which the step attends a fixed window (cache.py, `whole`, `attend`: the mask hid
 its nodes at a column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows'
 lengths.
 
-A step under a fixed tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph that leaves
+A step under a fixed or confident tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph that leaves
 nothing to the host (device_graph): verify, accept (device_acceptance.py), move the accepted paths into place,
 advance the lengths, run the heads on the accepted node and write the next step's tree tokens, all in place in
 buffers that the cache keeps (DeviceRows);
 the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
 CUDA graph (`capture`, one per window) and replayed on the same addresses request after request (whole caches are
 pooled per model: `cache_for`), each step launched before the last one is read (DeviceRows, `ahead`). Other steps
-(confident trees, `--tree auto`'s guard) run verify_graph with greedy acceptance inside, the path mover
+(the guard's picks: `--tree auto`, `confident` without a size) run verify_graph with greedy acceptance inside, the path mover
 (`cache.gather_paths`) and the proposal as graphs of their own, and read the accepted paths. The prefill stays
 eager: it runs once per request, at a length no two requests share.
 
@@ -36,8 +36,8 @@ from . import cache as kv
 from .base import context_limit
 from .device_acceptance import accept_greedy, accept_sampled
 from .heads import run_backbone
-from .proposal import candidates
-from .tree import Tree, on_device, padded
+from .proposal import candidates, confident_tree
+from .tree import Tree, on_device, padded, spanning
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
 
@@ -93,7 +93,7 @@ def graph(function, device_type: str):
 
 class Compiled:
     """The compiled engine's step functions, as eager.Eager's: steps of fixed shapes through graphs, and where every
-    row is under one fixed tree, the whole step as one graph on the device (device_step)."""
+    row is under one fixed or confident tree, the whole step as one graph on the device (device_step)."""
 
     def __init__(self, model: PreTrainedModel, heads):
         self.model, self.heads = model, heads
@@ -144,22 +144,25 @@ class Compiled:
             MOVED.add(shape)
         kv.settle(cache, packed.lengths, paths)
 
-    def device_tree(self, rows: list) -> Tree | None:
-        """The tree of a step that can run whole on the device, else None: every row under the same fixed tree, positions within the model's context for this step and one more (run ahead)."""
-        trees = {id(row.guard.ladder.tree): row.guard.ladder.tree for row in rows}
-        if len(trees) != 1:
+    def device_tree(self, rows: list) -> tuple[Tree, bool] | None:
+        """(the tree of a step that can run whole on the device, whether its nodes are chosen anew each step: a
+        confident tree, of which `tree` is the shape), else None: every row under the same fixed or confident tree
+        (not the guard's pick), positions within the model's context for this step and one more (run ahead)."""
+        ladders = {(id(row.guard.ladder.tree), row.guard.ladder.confident): row.guard.ladder for row in rows}
+        if len(ladders) != 1 or any(row.guard.watching for row in rows):
             return None
-        tree, = trees.values()
-        fixed = all(not row.guard.watching and not row.guard.ladder.confident for row in rows)
+        ladder, = ladders.values()
+        tree = spanning(ladder.tree.num_nodes - 1, self.heads.config.num_heads) if ladder.confident else ladder.tree
         within = max(row.length for row in rows) + 2 * tree.depth + 1 < context_limit(self.model)
-        return tree if fixed and within else None
+        return (tree, ladder.confident) if within else None
 
     def device_step(self, batch) -> tuple[Tree, list[list[int]]] | None:
         """The step as one graph on the device and one read of it (device_graph) -> (its tree, the tokens each row
         produced, EOS and budget not applied), or None where the step needs the host."""
         rows = list(batch.rows)
-        tree = self.device_tree(rows)
-        if self.device_rows is not None and (tree is None or not self.device_rows.holds(rows, tree, batch.cache)):
+        tree, confident = self.device_tree(rows) or (None, False)
+        if self.device_rows is not None and (tree is None or not self.device_rows.holds(rows, tree, confident,
+                                                                                           batch.cache)):
             self.device_rows.release()
             self.device_rows = None
             kv.settle(batch.cache, [row.length for row in rows], [[] for _ in rows])  # the views as the rows stand
@@ -170,14 +173,20 @@ class Compiled:
         kv.reserve(batch.cache, len(rows), needed)
         window = self.attend(batch.cache, needed)
         if self.device_rows is None:
-            # each row's first tree through the proposal graph of one row: one graph whatever the batch size
-            k, tree_here = tree.topk_per_head(), on_device(tree, self.model.device)
-            tokens = torch.stack([
-                torch.tensor([row.root], device=self.model.device) if tree.num_nodes == 1 else
-                self.candidates(self.heads, batch.lm_head, batch.embed, row.heads_input[None],
-                                torch.tensor([row.root], device=self.model.device), tree_here, k)[0][0]
-                for row in rows])
-            self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache, self.ahead)
+            device, shape = self.model.device, None
+            if confident:  # every row's first tree at once (proposal.confident_tree), its tensors as the step's
+                tokens, shape = confident_tree(self.heads, batch.lm_head, batch.embed,
+                                               torch.stack([row.heads_input for row in rows]),
+                                               torch.tensor([row.root for row in rows], device=device),
+                                               tree.num_nodes - 1)
+            else:  # each row's first tree through the proposal graph of one row: one graph whatever the batch size
+                k, tree_here = tree.topk_per_head(), on_device(tree, device)
+                tokens = torch.stack([
+                    torch.tensor([row.root], device=device) if tree.num_nodes == 1 else
+                    self.candidates(self.heads, batch.lm_head, batch.embed, row.heads_input[None],
+                                    torch.tensor([row.root], device=device), tree_here, k)[0][0]
+                    for row in rows])
+            self.device_rows = DeviceRows(rows, tree, self.heads, tokens, batch.cache, self.ahead, shape)
         return tree, self.device_rows.step(self.model, batch.lm_head, batch.embed, batch.cache, self.layers, window)
 
     def attend(self, cache: Cache, needed: int) -> int:
@@ -195,13 +204,15 @@ MOVED = set()  # the shapes the path mover has run at (Compiled.commit)
 def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
                  lengths: torch.Tensor, columns: torch.Tensor, heads_input: torch.Tensor, record: torch.Tensor,
                  depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree,
-                 layers: tuple[int, ...], k: int, sampling: tuple | None = None, filters: bool = False) -> None:
+                 layers: tuple[int, ...], k: int, sampling: tuple | None = None, filters: bool = False,
+                 confident: bool = False) -> None:
     """A whole step on the device, in place, reading nothing back: verify every row's tree `tokens` [B, T] at
     `lengths` [B] (verify_graph; row b's nodes go to the cache at `columns` [B, T], the index every layer holds),
     accept (greedily; where `sampling` holds the rows' parameters, device_acceptance.accept_sampled's rules with
     `filters`), move the accepted paths into place (an identity move costs what any other does), advance
     `lengths`, keep the accepted node's heads' input state in `heads_input` [B, S], write the next step's tree tokens
-    (the next root, then the heads' guesses over `tree`: proposal.candidates) into `tokens`, and the step's outcome into
+    (the next root, then the heads' guesses over `tree`: proposal.candidates; `confident`: each row's likeliest nodes,
+    proposal.confident_tree, their tree written over depths .. chains) into `tokens`, and the step's outcome into
     `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
     after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
     width = record.shape[1] - 1
@@ -218,7 +229,12 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     after = torch.arange(width, device=tokens.device) == count[:, None] - 1
     record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
     lengths.add_(count)
-    tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
+    if confident:  # the next step's tree too: each row's likeliest nodes
+        new, shape = confident_tree(heads, lm_head, embed, heads_input, root, tokens.shape[1] - 1)
+        for buffer, value in zip((tokens, depths, parents, attention, chains), (new, *shape)):
+            buffer.copy_(value)
+    else:
+        tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
 
 
 host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a device step to one
@@ -234,7 +250,8 @@ def read(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> list:
     return tensor.tolist()
 
 
-STATE = ("tokens", "lengths", "columns", "heads_input", "record")  # what a device step changes, besides the cache
+# what a device step changes, besides the cache (a confident step, the tree tensors too)
+STATE = ("tokens", "lengths", "columns", "heads_input", "record", "depths", "parents", "attention", "chains")
 
 
 class DeviceRows:
@@ -250,13 +267,18 @@ class DeviceRows:
     step run ahead for rows that then change (one ends) is dropped, its cache writes past every row's entries.
     """
 
-    def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache, ahead: bool = False):
-        """tokens [B, T]: each row's tree tokens for its next step (the heads' proposal)."""
+    def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache, ahead: bool = False,
+                 confident: tuple[torch.Tensor, ...] | None = None):
+        """tokens [B, T]: each row's tree tokens for its next step (the heads' proposal); confident: the tensors of
+        each row's tree (tree.from_parents) where the step chooses its nodes anew each time, of the shape `tree`."""
         self.tree, self.rows, self.heads, self.ahead = tree, rows, heads if tree.num_nodes > 1 else None, ahead
-        self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].heads_input)
+        self.confident = confident is not None
+        self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].heads_input, self.confident)
         self.state = [self.buffers[name] for name in STATE]
-        self.tokens, self.lengths, self.columns, self.heads_input, self.record = self.state
+        self.tokens, self.lengths, self.columns, self.heads_input, self.record = self.state[:5]
         self.tokens.copy_(tokens)
+        for buffer, value in zip(self.state[5:], confident or ()):
+            buffer.copy_(value)
         self.heads_input.copy_(torch.stack([row.heads_input for row in rows]))
         self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
         configs = [row.config for row in rows]
@@ -278,10 +300,10 @@ class DeviceRows:
     def now(self) -> list[tuple[int, int]]:
         return [(row.root, row.length) for row in self.rows]
 
-    def holds(self, rows: list, tree, cache: Cache) -> bool:
+    def holds(self, rows: list, tree, confident: bool, cache: Cache) -> bool:
         """Whether these rows stand as the last step left them, and the cache still writes at this state's columns
         (a step on the host path places its own)."""
-        return (tree is self.tree and rows == self.rows and self.now() == self.seen
+        return (tree is self.tree and confident == self.confident and rows == self.rows and self.now() == self.seen
                 and cache.layers[0].placed is not None and cache.layers[0].placed[2] is self.columns)
 
     def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...], window: int
@@ -290,8 +312,8 @@ class DeviceRows:
         moves the rows on (Compiled.settled)."""
         def run() -> None:  # on a GPU captured here, not by inductor
             model_graph(device_graph, model, fullgraph=True, **{"triton.cudagraphs": False})(
-                model, self.heads, lm_head, embed, cache, *self.state, *self.buffers["tree_tensors"], layers=layers,
-                k=self.tree.topk_per_head(), sampling=self.sampling, filters=self.filters)
+                model, self.heads, lm_head, embed, cache, *self.state, self.buffers["tree"], layers=layers,
+                k=self.tree.topk_per_head(), sampling=self.sampling, filters=self.filters, confident=self.confident)
 
         for _ in range(1 + self.ahead - len(self.launched)):
             self.launch(run, cache, window)
@@ -353,11 +375,11 @@ def graph_pool(device: torch.device):
 BUFFERS = weakref.WeakKeyDictionary()  # a cache -> {(tree, heads, B, S, dtype): DeviceRows' buffers}
 
 
-def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dict:
-    """DeviceRows' buffers for `rows` rows verifying `tree` with `heads` (None: plain steps), heads' input states
-    like `like` [S], allocated once per cache."""
+def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor, confident: bool) -> dict:
+    """DeviceRows' buffers for `rows` rows verifying `tree` (confident: trees of its shape) with `heads` (None: plain
+    steps), heads' input states like `like` [S], allocated once per cache."""
     pool = BUFFERS.setdefault(cache, {})
-    key = (tree, heads, rows, like.shape[-1], like.dtype)
+    key = (tree, heads, rows, like.shape[-1], like.dtype, confident)
     if (found := pool.get(key)) is None:
         device, nodes, width = like.device, tree.num_nodes, tree.depth + 1
         long = {"dtype": torch.long, "device": device}
@@ -372,8 +394,9 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor) -> dic
             torch.float, torch.long, torch.float, torch.bool, torch.float, torch.float, torch.long))
         found["host"] = [torch.empty(found["record"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
-        found["tree_tensors"] = (*(t.expand(rows, *t.shape).contiguous() for t in padded(tree, nodes, device)),
-                                 on_device(tree, device))
+        for name, tensor in zip(STATE[5:], padded(tree, nodes, device)):
+            found[name] = tensor.expand(rows, *tensor.shape).contiguous()
+        found["tree"] = on_device(tree, device)
     return found
 
 

@@ -194,11 +194,30 @@ def padded(tree: Tree, nodes: int, device: torch.device) -> tuple[torch.Tensor, 
     size), on `device`: depths [T], parents [T] (the root's and padding's: 0), attention [T, T] (a padding node sees
     itself) and chains [T, T] (node i's path, then j itself at column j past its end: a path that moves nothing
     there, cache.gather_paths)."""
-    n, width = tree.num_nodes, tree.chains.shape[1]
     depths, parents = torch.zeros(nodes, dtype=torch.long), torch.zeros(nodes, dtype=torch.long)
-    depths[:n], parents[:n] = tree.depths, tree.parents.clamp_min(0)
-    attention = torch.eye(nodes, dtype=torch.bool)
-    attention[:n, :n] = tree.attention
-    chains = torch.arange(nodes).repeat(nodes, 1)
-    chains[:n, :width] = torch.where(tree.chains == PAD, torch.arange(width), tree.chains)
-    return tuple(t.to(device) for t in (depths, parents, attention, chains))
+    depths[: tree.num_nodes], parents[: tree.num_nodes] = tree.depths, tree.parents.clamp_min(0)
+    return tuple(t[0].to(device) for t in from_parents(depths[None], parents[None], tree.depth))
+
+
+def from_parents(depths: torch.Tensor, parents: torch.Tensor, depth: int) -> tuple[torch.Tensor, ...]:
+    """`padded`'s tensors for a batch of trees given by their nodes' depths and parents [B, T] (parents before
+    children; the root's and padding's parent and depth 0; no node deeper than `depth`), in tensor ops (inside a
+    graph) -> depths, parents [B, T], attention and chains [B, T, T]."""
+    index, depth = torch.arange(parents.shape[1], device=parents.device), min(depth, parents.shape[1] - 1)
+    ancestors = [index.expand_as(parents)]  # the k-th ancestor of every node (the root's is the root)
+    for _ in range(depth):
+        ancestors.append(parents.gather(1, ancestors[-1]))
+    ancestors = torch.stack(ancestors, dim=-1)  # [B, T, depth + 1]
+    on_path = index[: depth + 1] <= depths[..., None]  # [B, T, depth + 1]
+    attention = ((ancestors[..., None] == index) & on_path[..., None]).any(2)
+    # column c of a node's chain: its ancestor at depth c, then c itself past its depth (and on padding)
+    to = depths[..., None] - index  # [B, T, T]: how many steps up column c lies
+    chains = torch.where((to >= 0) & (depths[..., None] > 0), ancestors.gather(2, to.clamp(0, depth)), index)
+    return depths, parents, attention, chains
+
+
+def spanning(size: int, depth: int) -> Tree:
+    """A tree of `size` candidates as deep as any within `depth` (a chain, then siblings of its first node): the shape
+    of a step whose nodes are chosen at each step (proposal.confident_tree)."""
+    deep = min(size, depth)
+    return build(tuple((0,) * d for d in range(1, deep + 1)) + tuple((r,) for r in range(1, size - deep + 1)))
