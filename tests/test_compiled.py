@@ -105,6 +105,18 @@ def test_a_greedy_row_beside_sampled_rows_on_the_device_decodes_as_alone(monkeyp
 
 
 @needs_compiler
+def test_confident_steps_leave_the_tree_they_are_shaped_like_as_it_was():
+    """A confident step writes each step's tree over its buffers, which start as tree.padded's tensors of its shape
+    (tree.spanning: here the chain of 2, a tree any request may verify): they must be copies, not those cached
+    tensors (they were: the chain's later requests verified the last confident tree's mask)."""
+    model = use_kernels(lively_model("llama"), "compiled")
+    heads, chain = random_heads(model), Tree.from_spec([1, 1])
+    before = [t.clone() for t in padded(chain, chain.num_nodes, torch.device("cpu"))]
+    tokens_of(model, heads, PROMPT, Ladder.fixed(Tree.from_spec([2]), True), 12)
+    assert all(torch.equal(a, b) for a, b in zip(before, padded(chain, chain.num_nodes, torch.device("cpu"))))
+
+
+@needs_compiler
 def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_widen():
     """Device steps launched one ahead of the host against steps in turn, both attending windows (as on a GPU): a row
     joins while a step runs ahead, rows leave at different steps (the step run ahead for them dropped, the others'

@@ -394,8 +394,8 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor, confid
             torch.float, torch.long, torch.float, torch.bool, torch.float, torch.float, torch.long))
         found["host"] = [torch.empty(found["record"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
-        for name, tensor in zip(STATE[5:], padded(tree, nodes, device)):
-            found[name] = tensor.expand(rows, *tensor.shape).contiguous()
+        for name, tensor in zip(STATE[5:], padded(tree, nodes, device)):  # copies: a confident step writes them
+            found[name] = tensor.repeat(rows, *(1,) * tensor.dim())
         found["tree"] = on_device(tree, device)
     return found
 
