@@ -6,6 +6,7 @@ tokens, partial UTF-8 characters included); the rest use the embedded default (`
 
 import random
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ import medusa_decoding.model as model_module
 from medusa_decoding import GenerationConfig, HeadsConfig, MedusaHeads, MedusaModel, Tree
 from medusa_decoding.base import context_limit
 from medusa_decoding.formats import TREE_NAME
+from medusa_decoding.guard import Ladder
 
-from conftest import tiny_model
+from conftest import needs_compiler, tiny_model
 
 PROMPT = "Write a short story about a dragon who learns to bake bread."
 TINY_TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
@@ -277,3 +279,23 @@ def test_an_answer_decoded_piece_by_piece_is_the_whole_decode(smollm):
             so_far = answer.add(step)
             assert whole.startswith(so_far) and not so_far.endswith("\ufffd")
         assert so_far == whole
+
+
+@needs_compiler
+@pytest.mark.parametrize("ladder, fields", [
+    (Ladder((Tree.from_spec([[0]]), Tree.from_spec(TINY_TREE)), (1.2, 1.5), (0,), ((1.0, 1.2),)), {}),
+    (Ladder.fixed(Tree.from_spec(TINY_TREE)), {"temperature": 0.7, "top_k": 50}),
+    (Ladder.fixed(Tree.from_spec(TINY_TREE), confident=True), {}),
+], ids=["the guard's ladder", "a fixed tree, sampled", "a confident tree"])
+def test_a_warm_up_compiles_what_its_requests_then_run(smollm, ladder, fields):
+    """On the compiled engine: after warm_up, requests of another prompt and length decoded as the warm-up's config
+    says compile nothing (the guard's picks on the host's path, fixed and confident trees on the device step)."""
+    base = tiny_model("llama", vocab_size=len(smollm.tokenizer))
+    medusa = MedusaModel(base, smollm.tokenizer, random_heads(base), ladder, kernels="compiled")
+    config = GenerationConfig(max_new_tokens=24, **fields)
+    medusa.warm_up("Hello there", config)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for prompt in ("Tell me a story about a dragon who", "Why?"):
+        medusa.generate(prompt, config=config)
+        medusa.generate(prompt, config=replace(config, medusa=False))
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs

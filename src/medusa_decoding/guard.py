@@ -74,6 +74,7 @@ class Ladder:
     # confidence-driven: a tree stands for its size only, each step's candidates are the likeliest that many under the
     # heads' own probabilities (decoding.propose_confident); its calibrated yields, the fixed tree's, are a floor
     confident: bool = False
+    guarded: bool = False  # watched by the guard even alone (Ladder.fixed)
 
     def __post_init__(self):
         n = len(self.trees)
@@ -93,10 +94,11 @@ class Ladder:
             raise ValueError("ladder: batch sizes 1 < b2 < ..., a positive batch step latency for every tree at each")
 
     @staticmethod
-    def fixed(tree: Tree, confident: bool = False, tokens: float = 1.0) -> "Ladder":
+    def fixed(tree: Tree, confident: bool = False, tokens: float = 1.0, guarded: bool = False) -> "Ladder":
         """One tree, always: an explicit tree, or plain decoding (confident: its size, the likeliest nodes; tokens:
-        what such a step yields, where the calibration says)."""
-        return Ladder((tree,), (tokens,), (0,), ((1.0,),), confident=confident)
+        what such a step yields, where the calibration says). guarded: a guard watches it as it watches a ladder's
+        pick (on the compiled engine, the host's path: what warm_up compiles for each)."""
+        return Ladder((tree,), (tokens,), (0,), ((1.0,),), confident=confident, guarded=guarded)
 
     @property
     def tree(self) -> Tree:
@@ -130,7 +132,7 @@ class Guard:
     def __init__(self, ladder: Ladder, root: int):
         trees = ladder.trees
         self.ladder, self.choice = ladder, 0
-        self.watching = len(trees) > 1
+        self.watching = len(trees) > 1 or ladder.guarded
         self.depth = max(tree.depth for tree in trees)
         self.watched = ladder.tree  # the largest holds every node: its guesses cover every tree
         self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree

@@ -207,15 +207,15 @@ class MedusaModel:
                              self.compiled if compiled is None else compiled)
 
     def warm_up(self, prompt, config: GenerationConfig | None = None, max_new_tokens: int = 8) -> None:
-        """A few tokens with every tree the guard may pick and plainly, off the clock: the compiled engine compiles
-        each tree size on its first step (and kernels load on their first call)."""
+        """A few tokens with every tree the guard may pick and plainly, off the clock, decoded as `config` says: the
+        compiled engine compiles each tree size on its first step (and kernels load on their first call). The
+        guard's picks run on the host's path (verify_graph, the proposal), a fixed or confident:N tree on the device
+        step (compiled.py), greedy or sampled as `config`."""
         config = replace(config or GenerationConfig(), max_new_tokens=max_new_tokens)
-        guarded = len(self.trees.trees) > 1 or self.trees.confident  # steps the guard picks run on the host path
         for tree in self.trees.trees:
             view = self.with_heads(self.heads, tree)
-            view.generate(prompt, config=config)  # greedy under a fixed tree: the device step (compiled.py)
-            if guarded and self.compiled:  # a sampled step takes the guard's path: verify_graph and the proposal
-                view.generate(prompt, config=replace(config, temperature=1.0, seed=0))
+            view.trees = Ladder.fixed(tree, self.trees.confident, guarded=len(self.trees.trees) > 1)
+            view.generate(prompt, config=config)
         self.generate(prompt, config=replace(config, medusa=False))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
