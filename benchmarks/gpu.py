@@ -93,9 +93,11 @@ def static_generate(model, ids: torch.Tensor, new_tokens: int) -> GenerationOutp
 
 
 def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns: int, prefix: str, save,
-               generate: bool = True) -> dict:
+               generate: bool = True, also: tuple[str, ...] = ()) -> dict:
     """SmolLM2 with its shipped heads in `dtype`: tokens/s and step time of MEDUSA, plain (compiled engine) and
-    static-cache generate on the first turns of `questions` (`save`d), then a profile of each engine decoder."""
+    static-cache generate on the first turns of `questions` (`save`d), then a profile of each engine decoder. also:
+    "sampled" (MEDUSA at temperature 0.7, rejection sampling) and "confident" (a confident tree of the same size),
+    both on the device step too."""
     heads_dir = shipped_heads()
     tree = greedy_trees(read_accuracy(heads_dir).accuracy, [SMOL_CANDIDATES])[0]
     medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device=device, dtype=dtype, kernels="compiled")
@@ -106,6 +108,13 @@ def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns:
                 GENERATE: lambda ids, n=NEW_TOKENS: static_generate(medusa.model, ids, n)}
     if not generate:
         del decoders[GENERATE]
+    if "sampled" in also:
+        decoders["medusa sampled"] = lambda ids, n=NEW_TOKENS: medusa.generate(
+            ids, config=replace(config, max_new_tokens=n, temperature=0.7, seed=0))
+    if "confident" in also:
+        confident = medusa.with_heads(medusa.heads, f"confident:{SMOL_CANDIDATES}")
+        decoders["medusa confident"] = lambda ids, n=NEW_TOKENS: confident.generate(
+            ids, config=replace(config, max_new_tokens=n))
     chosen = read_questions([questions], per_category=max(1, turns // 8))[:turns]
     prompts = [medusa.encode(messages=[{"role": "user", "content": q.turns[0]}]) for q in chosen]
     outputs = {name: [] for name in decoders}
@@ -116,7 +125,8 @@ def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns:
             if number >= len(prompts):
                 outputs[name].append(out)
     result = {"tree_nodes": tree.num_nodes, "turns": len(prompts), "dtype": str(dtype).removeprefix("torch."),
-              "lossless": all(m.token_ids == p.token_ids for m, p in zip(outputs["medusa"], outputs["plain"])),
+              "lossless": all(m.token_ids == p.token_ids for name in ("medusa", "medusa confident") if name in outputs
+                              for m, p in zip(outputs[name], outputs["plain"])),
               "tokens": {name: sum(len(o.token_ids) for o in outs) for name, outs in outputs.items()},
               "tokens_per_s": {name: sum(len(o.token_ids) for o in outs) / sum(o.seconds for o in outs)
                                for name, outs in outputs.items()},
@@ -125,8 +135,9 @@ def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns:
               "step_ms": {name: 1e3 * sum(o.seconds for o in outs) / sum(o.steps for o in outs)
                           for name, outs in outputs.items()}}
     save(result)
-    result["profile"] = {name: profile(decoders[name], prompts[0], f"{prefix}_profile_{result['dtype']}_{name}.txt")
-                         for name in ("medusa", "plain")}
+    result["profile"] = {name: profile(decoders[name], prompts[0],
+                                       f"{prefix}_profile_{result['dtype']}_{name.replace(' ', '_')}.txt")
+                         for name in decoders if name != GENERATE}
     return result
 
 
@@ -160,6 +171,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], help="SmolLM2's dtypes")
     parser.add_argument("--no-generate", action="store_true", help="SmolLM2 without transformers' generate")
     parser.add_argument("--parts", nargs="+", default=["smollm2", "7b"], choices=["smollm2", "7b"])
+    parser.add_argument("--also", nargs="*", default=[], choices=["sampled", "confident"],
+                        help="SmolLM2 decoders beside MEDUSA and plain: sampled, a confident tree")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     report = {"device": device_name(device), "torch": torch.__version__, "transformers": transformers.__version__}
@@ -174,7 +187,7 @@ def main() -> None:
         if part == "smollm2":
             for dtype in args.dtypes:
                 save(end_to_end(device, getattr(torch, dtype), args.questions, args.turns, args.out, save,
-                                not args.no_generate))
+                                not args.no_generate, tuple(args.also)))
                 print(smollm2_table(report["smollm2"][dtype]), flush=True)
         else:
             shape = SHAPE_SMALL if args.small else SHAPE_7B
@@ -236,10 +249,10 @@ def plot(report: dict, path: str) -> None:
                   title=f"Llama {llama['shape']['num_hidden_layers']} x {llama['shape']['hidden_size']} step")
         steps.legend()
     runs = report.get("smollm2", {})
-    names = [name for smol in runs.values() for name in smol["tokens_per_s"]][:3]
+    names = list(dict.fromkeys(name for smol in runs.values() for name in smol["tokens_per_s"]))
     for i, (dtype, smol) in enumerate(runs.items()):
-        speed.bar([j + 0.4 * i for j in range(len(names))], [smol["tokens_per_s"][n] for n in names], width=0.4,
-                  label=dtype)
+        speed.bar([j + 0.4 * i for j in range(len(names))], [smol["tokens_per_s"].get(n, 0) for n in names],
+                  width=0.4, label=dtype)
     speed.set_xticks([j + 0.2 for j in range(len(names))], names, fontsize=8)
     speed.set(ylabel="tokens/s", title="SmolLM2-135M end to end")
     speed.legend()
