@@ -216,8 +216,8 @@ def test_typical_with_unreachable_thresholds_is_plain_sampling(engine_model):
     accepted, and each step draws its one token from p as plain sampling does, from the same random stream."""
     model, heads, engine = engine_model
     tree = Tree.from_spec(WIDE)
-    typical = sampled(model, heads, tree, max_new_tokens=40, acceptance="typical", typical_epsilon=2.0, typical_delta=1e9,
-                      **engine)
+    typical = sampled(model, heads, tree, max_new_tokens=40, acceptance="typical", typical_epsilon=2.0,
+                      typical_delta=1e9, **engine)
     plain = sampled(model, heads, tree, max_new_tokens=40, medusa=False, **engine)
     assert typical == plain and all(len(step) == 1 for step in typical)
 

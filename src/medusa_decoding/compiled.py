@@ -8,16 +8,15 @@ which the step attends a fixed window (cache.py, `whole`, `attend`: the mask hid
 its nodes at a column tensor and builds its positions and mask inside the graph from the tree's tensors and the rows'
 lengths.
 
-A step under a fixed or confident tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph that leaves
-nothing to the host (device_graph): verify, accept (device_acceptance.py), move the accepted paths into place,
-advance the lengths, run the heads on the accepted node and write the next step's tree tokens, all in place in
-buffers that the cache keeps (DeviceRows);
-the host reads back one small record a step (`read`, the one place it waits). On a GPU that step is captured as one
-CUDA graph (`capture`, one per window) and replayed on the same addresses request after request (whole caches are
-pooled per model: `cache_for`), each step launched before the last one is read (DeviceRows, `ahead`). Other steps
-(the guard's picks: `--tree auto`, `confident` without a size) run verify_graph with greedy acceptance inside, the path mover
-(`cache.gather_paths`) and the proposal as graphs of their own, and read the accepted paths. The prefill stays
-eager: it runs once per request, at a length no two requests share.
+A step under a fixed or confident tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph
+that leaves nothing to the host (device_graph): verify, accept (device_acceptance.py), move the accepted paths into
+place, advance the lengths, run the heads on the accepted node and write the next step's tree, all in place in
+buffers that the cache keeps (DeviceRows); the host reads back one small record a step (`read`, the one place it
+waits). On a GPU that step is captured as one CUDA graph (`capture`, one per window) and replayed on the same
+addresses request after request (whole caches are pooled per model: `cache_for`), each step launched before the last
+one is read (DeviceRows, `ahead`). The guard's picks (`--tree auto`, `confident` without a size) run verify_graph
+with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of their own, and
+read the accepted paths. The prefill stays eager: it runs once per request, at a length no two requests share.
 
 Inductor caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory),
 so a second process compiles faster. Where compiling is unavailable (no C++ compiler for inductor on a CPU, no
@@ -234,7 +233,8 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
         for buffer, value in zip((tokens, depths, parents, attention, chains), (new, *shape)):
             buffer.copy_(value)
     else:
-        tokens.copy_(root[:, None] if heads is None else candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
+        tokens.copy_(root[:, None] if heads is None else
+                     candidates(heads, lm_head, embed, heads_input, root, tree, k)[0])
 
 
 host_reads = 0  # the compiled engine's reads of the device (read): the suite holds a device step to one
@@ -258,9 +258,10 @@ class DeviceRows:
     """A batch's rows as device_graph steps them, in buffers that the cache keeps for this tree, heads and batch size
     (on a GPU the step is one CUDA graph per attended window that replays on those very addresses, request after
     request): the STATE (the next tree tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S],
-    the last step's record [B, 1 + W]) and the tree's tensors. Built from the rows' own state (root, heads' input,
-    length) whenever they change by other means than `step` (a row joins or leaves, another tree, a step taken
-    elsewhere): `holds` says whether it still stands for them, and `release` gives the rows their state back.
+    the last step's record [B, 1 + W], the tree's tensors: a confident step writes them too). Built from the rows'
+    own state (root, heads' input, length) whenever they change by other means than `step` (a row joins or leaves,
+    another tree, a step taken elsewhere): `holds` says whether it still stands for them, and `release` gives the
+    rows their state back.
 
     ahead: each step launches the next one before it reads its own record (the record copied to the host behind it),
     as vLLM's and SGLang's asynchronous schedulers do, so the device never waits for the host to go over a step; a
