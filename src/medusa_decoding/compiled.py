@@ -136,11 +136,11 @@ class Compiled:
             return kv.commit(cache, packed.lengths, paths)
         device = packed.on_device.device
         width = self.width if max(map(len, paths)) <= self.width else packed.tokens.shape[1]  # a draft's chain: deeper
-        shape = (device.type, tuple(cache.layers[0].key_buffer.shape), len(paths), width)
-        if shape not in MOVED or any(node != i for path in paths for i, node in enumerate(path)):
+        shape, moved = (tuple(cache.layers[0].key_buffer.shape), len(paths), width), MOVED.setdefault(cache, set())
+        if shape not in moved or any(node != i for path in paths for i, node in enumerate(path)):
             moves = torch.tensor([path + list(range(len(path), width)) for path in paths], device=device)
             graph(kv.gather_paths, device.type)(cache, packed.on_device, moves)
-            MOVED.add(shape)
+            moved.add(shape)
         kv.settle(cache, packed.lengths, paths)
 
     def device_tree(self, rows: list) -> tuple[Tree, bool] | None:
@@ -197,7 +197,9 @@ class Compiled:
         self.device_rows.seen = self.device_rows.now()
 
 
-MOVED = set()  # the shapes the path mover has run at (Compiled.commit)
+# a cache -> the shapes its path mover has run at (Compiled.commit). Per cache: another model's cache of the same
+# shape may need its own graph (another layer count, another thread count), and a model's caches are pooled
+MOVED = weakref.WeakKeyDictionary()
 
 
 def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
