@@ -18,8 +18,8 @@ from . import cache as kv
 from .acceptance import RULES, argmax, sample, target_probs
 from .base import check_context
 from .compiled import Compiled
-from .device_acceptance import draw_key
 from .config import GenerationConfig
+from .device_acceptance import draw_key
 from .eager import Eager, Packed, forward
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
@@ -187,8 +187,8 @@ class Batch:
             cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.engine.layers)
             root = first_token(logits, config, generator)
             drafts = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
-            row = Row(config, Guard(ladder, root), eos_ids, generator, root, states[-1], prompt.shape[-1], drafts=drafts,
-                      key=draw_key(generator) if config.temperature > 0 else 0)
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, states[-1], prompt.shape[-1],
+                      drafts=drafts, key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
