@@ -286,7 +286,8 @@ class DeviceRows:
         self.lengths.copy_(torch.tensor([row.length for row in rows], device=tokens.device))
         configs = [row.config for row in rows]
         self.sampling = None  # all greedy; else the rows' parameters of device_acceptance.accept_sampled
-        self.filters = any(c.top_k or c.top_p < 1 for c in configs)
+        # (a greedy row's top-k or top-p changes nothing: its p is the argmax)
+        self.filters = any(c.temperature > 0 and (c.top_k or c.top_p < 1) for c in configs)
         if any(c.temperature > 0 for c in configs):
             self.sampling = self.buffers["sampling"]
             values = zip(*[(c.temperature, c.top_k, c.top_p, c.rule == "typical", c.typical_epsilon, c.typical_delta,
