@@ -16,6 +16,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -50,19 +51,12 @@ def main() -> None:
                     continue
                 runs[f"{isa}/{path}"] = ops, number
 
-    def timed(ops, number: int, tokens: int) -> float:
-        start = time.perf_counter()
+    def run(ops, number: int, tokens: int) -> None:
         for x, (codes, scales, out) in zip(inputs[tokens], linears):
             ops.linear_q8(x, codes, scales, out, number)
-        return time.perf_counter() - start
 
-    seconds = {name: {t: [] for t in TOKENS} for name in runs}
-    for round_ in range(args.rounds + 1):  # the first round warms up
-        for name, (ops, number) in runs.items():
-            for t in TOKENS:
-                took = timed(ops, number, t)
-                if round_:
-                    seconds[name][t].append(took)
+    timed = in_turns({(name, t): partial(run, *runs[name], t) for name in runs for t in TOKENS}, args.rounds)
+    seconds = {name: {t: timed[name, t] for t in TOKENS} for name in runs}
     record = {"device": device_name(torch.device("cpu")), "torch": torch.__version__, "linears": len(linears),
               "rounds": args.rounds, "tokens": TOKENS,
               "median_ms": {name: [1000 * statistics.median(s[t]) for t in TOKENS] for name, s in seconds.items()},
@@ -77,6 +71,19 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{args.out}.json").write_text(json.dumps(record, indent=1) + "\n")
     plot(record, f"{args.out}.png")
+
+
+def in_turns(runs: dict, rounds: int) -> dict[object, list[float]]:
+    """Seconds of each of `runs` (key -> a call) per round: every round calls each once, in turn, so that a burst of
+    load from elsewhere hits all of them; a first round warms up."""
+    seconds = {key: [] for key in runs}
+    for round_ in range(rounds + 1):
+        for key, run in runs.items():
+            start = time.perf_counter()
+            run()
+            if round_:
+                seconds[key].append(time.perf_counter() - start)
+    return seconds
 
 
 def plot(record: dict, path: str) -> None:

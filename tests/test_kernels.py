@@ -531,6 +531,35 @@ def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 128, 40])  # whole vectors, and a partial last one
+def test_native_attention_gives_a_query_what_it_gets_alone_whatever_keys_it_sees(head_dim, dtype):
+    """Holes anywhere (hidden keys in the prefix, at its start, every key): the keys every query of a group sees from
+    column 0 on go to several queries at once, the rest query by query; on every variant each query gets bitwise what
+    it gets alone over its own keys, and a query that sees nothing gets zeros."""
+    torch.manual_seed(head_dim)
+    heads, kv_heads, n, keys = 6, 2, 7, 150
+    q = torch.randn(2, heads, n, head_dim)
+    k, v = torch.randn(2, kv_heads, keys, head_dim).to(dtype), torch.randn(2, kv_heads, keys, head_dim).to(dtype)
+    seen = torch.rand(2, n, keys) < 0.9
+    seen[0, :, :100] = True  # row 0: a long shared prefix, then holes
+    seen[0, 3, 70] = False  # ... but one query misses a key inside it
+    seen[1, :, 0] = False  # row 1: nothing shared from column 0
+    seen[1, 5] = False  # a query that sees no key
+    mask = torch.where(seen, 0.0, torch.finfo(torch.float32).min)
+    for name in kernels.cpu_variants():
+        ops = load_native(name)
+        out = ops.attention(q, k, v, mask, 0.125)
+        for row in range(2):
+            for node in range(n):
+                cols = seen[row, node].nonzero()[:, 0]
+                alone = ops.attention(q[row : row + 1, :, node : node + 1], k[row : row + 1, :, cols],
+                                      v[row : row + 1, :, cols], None, 0.125)
+                assert torch.equal(alone[0, 0], out[row, node]), (name, row, node)
+        assert not out[1, 5].any()
+
+
+@needs_native
 @pytest.mark.parametrize("layers", [(), (1,)], ids=["h", "h+layer1"])  # the heads' input state, with feature layers
 @pytest.mark.parametrize("kernels_name", ["native", "q8"])
 @pytest.mark.parametrize("family", ["llama", "qwen2"])

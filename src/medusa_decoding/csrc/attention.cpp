@@ -6,9 +6,8 @@
 // output is plain decoding's bit for bit, whatever the kernels round (int8 activations included).
 //
 // The queries of a kv group (its query heads, for every tree node) go through the keys together, a tile at a time,
-// so a step reads the cache from memory once per group, not once per query head and node: on a 2-core Xeon,
-// SmolLM2's 30 layers at a 512-token context, 1 / 4 / 9 tokens, 1.0 / 1.9 / 3.4 ms against 1.0 / 2.5 / 5.0 before
-// (a step over 3 candidates 20.1 ms against 21.2, plain 15.6 either way; at 1536 tokens 25.4 against 29.7).
+// so a step reads the cache from memory once per group, not once per query head and node; over the prefix they all
+// see, a key's vectors are loaded (and widened) once for 4 queries at a time, whose sums build up side by side.
 //
 // q [B, H, T, D] float32, k and v [B, Hkv, S, D] both float32 or both float16 (a cache of half the bytes, widened
 // exactly as read; H a multiple of Hkv: grouped-query attention; rows contiguous), mask [B, T, S] additive (0: seen,
@@ -57,17 +56,17 @@ struct Query {
   const float* q;
   float* o;
   const std::vector<int64_t>* cols;
-  float* p;    // the scores, then the exponentials: cols->size() rounded up to whole vectors
+  float* p;    // the scores, then the exponentials: cols->size() rounded up to whole vectors, and one more
   F16* out;    // the weighted values so far, head_dim / 16 vectors
   F16 top16;
   float inverse;
 };
 
-// scores of the keys cols[i0:i1] (i0 a multiple of 16), into p; the running maximum in top16
+// scores of the keys cols[i0:], into p; the running maximum in top16
 template <int C, typename E>
-void scores(Query& a, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
+void scores(Query& a, const E* K, int64_t i0, int64_t D, int64_t krow, float scale) {
   const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
+  const int64_t n = cols.size(), chunks = chunks_of<C>(D);
   F16 q[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) q[c] = chunk<C>(a.q, c, D);
   for (int64_t i = i0; i < n; i += LANES) {  // the row is padded: a whole vector is written
@@ -83,7 +82,7 @@ void scores(Query& a, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t kro
       acc[j] = half(s);
     }
     const F16 s = first(sums16(acc) * scale, n - i, -INFINITY);
-    store16(a.p + i, s);
+    store16(a.p + i, s);  // past n: the padding (i unaligned after the shared prefix)
     a.top16 = max(s, a.top16);
   }
 }
@@ -101,11 +100,11 @@ void exponentials(Query& a) {
   a.inverse = n ? 1 / sum(total) : 0;
 }
 
-// the values of the keys cols[i0:i1], weighted, added to out key by key
+// the values of the keys cols[i0:], weighted, added to out key by key
 template <int C, typename E>
-void values(Query& a, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
+void values(Query& a, const E* V, int64_t i0, int64_t D, int64_t vrow) {
   const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = std::min<int64_t>(cols.size(), i1), chunks = chunks_of<C>(D);
+  const int64_t n = cols.size(), chunks = chunks_of<C>(D);
   F16 out[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) out[c] = a.out[c];
   for (int64_t i = i0; i < n; i++) {
@@ -115,19 +114,105 @@ void values(Query& a, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vro
   for (int64_t c = 0; c < chunks; c++) a.out[c] = out[c];
 }
 
+// The keys every query of a group sees alike (the shared prefix: columns 0, 1, ...) go to N queries at a time: a key's
+// vectors are read (and widened) once for all N, whose sums build up side by side. Each query's operations are
+// scores' and values' own, in the same order: the same bits.
+constexpr int QB = 4;  // queries a pass over the shared keys serves
+
+template <int C, int N, typename E>
+void shared_scores(Query* qs, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
+  const int64_t chunks = chunks_of<C>(D);
+  F16 q[N][MAX_HEAD_DIM / LANES];
+  for (int n = 0; n < N; n++)
+    for (int64_t c = 0; c < chunks; c++) q[n][c] = chunk<C>(qs[n].q, c, D);
+  for (int64_t i = i0; i < i1; i += LANES) {
+    const int64_t count = std::min(LANES, i1 - i);
+    F16 acc[N][LANES];
+    for (int64_t j = 0; j < LANES; j++) {
+      if (j >= count) {
+        for (int n = 0; n < N; n++) acc[n][j] = zero();
+        continue;
+      }
+      const E* kp = K + (i + j) * krow;
+      F16 s[N], k = chunk<C>(kp, 0, D);
+      for (int n = 0; n < N; n++) s[n] = q[n][0] * k;
+      for (int64_t c = 1; c < chunks; c++) {
+        k = chunk<C>(kp, c, D);
+        for (int n = 0; n < N; n++) s[n] = fma(q[n][c], k, s[n]);
+      }
+      for (int n = 0; n < N; n++) acc[n][j] = half(s[n]);
+    }
+    for (int n = 0; n < N; n++) {
+      const F16 s = first(sums16(acc[n]) * scale, count, -INFINITY);
+      store16(qs[n].p + i, s);  // past count: the keys after the prefix, or the padding
+      qs[n].top16 = max(s, qs[n].top16);
+    }
+  }
+}
+
+template <int C, int N, typename E>
+void shared_values(Query* qs, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
+  // each query's vector c builds up over the keys, its own chain: CB vectors at a time, as many as the registers hold
+  // beside the values' (AVX-512: 32 of one F16, AVX2: 16 of half one), a power of two so that it divides C
+  constexpr int regs = (W == 16 ? 32 : 16) / P - 1, fit = regs / (N + 1);
+  constexpr int CB = C == 0 ? 1 : fit >= C ? C : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
+  for (int64_t c0 = 0; c0 < chunks_of<C>(D); c0 += CB) {
+    F16 out[N][CB];
+    for (int n = 0; n < N; n++)
+      for (int b = 0; b < CB; b++) out[n][b] = qs[n].out[c0 + b];
+    for (int64_t i = i0; i < i1; i++) {
+      F16 v[CB];
+      for (int b = 0; b < CB; b++) v[b] = chunk<C>(V + i * vrow, c0 + b, D);
+      for (int n = 0; n < N; n++)
+        for (int b = 0; b < CB; b++) out[n][b] = fma(qs[n].p[i], v[b], out[n][b]);
+    }
+    for (int n = 0; n < N; n++)
+      for (int b = 0; b < CB; b++) qs[n].out[c0 + b] = out[n][b];
+  }
+}
+
+// the group's queries in blocks of QB, then the rest: f(block's first query, integral_constant<int, size>)
+template <typename F>
+void in_blocks(std::vector<Query>& group, F f) {
+  size_t n = 0;
+  for (; n + QB <= group.size(); n += QB) f(&group[n], std::integral_constant<int, QB>());
+  switch (group.size() - n) {
+    case 3: f(&group[n], std::integral_constant<int, 3>()); break;
+    case 2: f(&group[n], std::integral_constant<int, 2>()); break;
+    case 1: f(&group[n], std::integral_constant<int, 1>()); break;
+  }
+}
+
 // Queries that share a kv group, tile by tile of keys: a tile's keys (then values) are read from memory once and
 // then from L1 by every other query of the group, whose prefix they all see (the cache is read once per group a
-// step, not once per query head and tree node). Each query's arithmetic is what it would be alone.
+// step, not once per query head and tree node); the keys past the shared prefix, query by query.
 template <int C, typename E>
 FMA_CLONES void attend_group(std::vector<Query>& group, const E* K, const E* V, int64_t D, int64_t krow, int64_t vrow,
                              float scale) {
-  int64_t n = 0;
-  for (const Query& a : group) n = std::max<int64_t>(n, a.cols->size());
-  for (int64_t i = 0; i < n; i += TILE_KEYS)
-    for (Query& a : group) scores<C, E>(a, K, i, i + TILE_KEYS, D, krow, scale);
+  int64_t shared = INT64_MAX;  // columns 0 .. shared - 1: seen by every query
+  for (const Query& a : group) {
+    const std::vector<int64_t>& cols = *a.cols;
+    int64_t lo = 0, hi = cols.size();  // the longest run cols[0:m] = 0 .. m - 1 (cols ascend)
+    while (lo < hi) {
+      const int64_t m = (lo + hi + 1) / 2;
+      if (cols[m - 1] == m - 1)
+        lo = m;
+      else
+        hi = m - 1;
+    }
+    shared = std::min(shared, lo);
+  }
+  for (int64_t i = 0; i < shared; i += TILE_KEYS)
+    in_blocks(group, [&](Query* qs, auto n) {
+      shared_scores<C, decltype(n)::value, E>(qs, K, i, std::min(shared, i + TILE_KEYS), D, krow, scale);
+    });
+  for (Query& a : group) scores<C, E>(a, K, shared, D, krow, scale);
   for (Query& a : group) exponentials(a);
-  for (int64_t i = 0; i < n; i += TILE_KEYS)
-    for (Query& a : group) values<C, E>(a, V, i, i + TILE_KEYS, D, vrow);
+  for (int64_t i = 0; i < shared; i += TILE_KEYS)
+    in_blocks(group, [&](Query* qs, auto n) {
+      shared_values<C, decltype(n)::value, E>(qs, V, i, std::min(shared, i + TILE_KEYS), D, vrow);
+    });
+  for (Query& a : group) values<C, E>(a, V, shared, D, vrow);
   const int64_t chunks = chunks_of<C>(D);
   for (Query& a : group)
     for (int64_t c = 0; c < chunks; c++) store16(a.o + c * LANES, a.out[c] * a.inverse, std::min(LANES, D - c * LANES));
@@ -184,7 +269,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     kernel(group, K, V, D, k.stride(2), v.stride(2), float(scale));
   };
   at::parallel_for(0, groups * parts, 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded = (S + LANES - 1) / LANES * LANES, chunks = chunks_of<0>(D);
+    const int64_t padded = (S + 2 * LANES - 1) / LANES * LANES, chunks = chunks_of<0>(D);
     std::vector<float> p(per * padded);
     std::vector<F16> outs(per * chunks);
     std::vector<Query> group;
