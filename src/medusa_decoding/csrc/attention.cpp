@@ -69,7 +69,7 @@ void scores(Query& a, const E* K, int64_t i0, int64_t D, int64_t krow, float sca
   const int64_t n = cols.size(), chunks = chunks_of<C>(D);
   F16 q[MAX_HEAD_DIM / LANES];
   for (int64_t c = 0; c < chunks; c++) q[c] = chunk<C>(a.q, c, D);
-  for (int64_t i = i0; i < n; i += LANES) {  // the row is padded: a whole vector is written
+  for (int64_t i = i0; i < n; i += LANES) {
     F16 acc[LANES];
     for (int64_t j = 0; j < LANES; j++) {
       if (i + j >= n) {
@@ -152,8 +152,8 @@ void shared_scores(Query* qs, const E* K, int64_t i0, int64_t i1, int64_t D, int
 
 template <int C, int N, typename E>
 void shared_values(Query* qs, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
-  // each query's vector c builds up over the keys, its own chain: CB vectors at a time, as many as the registers hold
-  // beside the values' (AVX-512: 32 of one F16, AVX2: 16 of half one), a power of two so that it divides C
+  // each query's vector c builds up over the keys, its own chain: CB of them at a time, as many as fit the registers
+  // (AVX-512: 32 of one F16 each, AVX2: 16 of half one) with the key's CB vectors; a power of two: it divides C
   constexpr int regs = (W == 16 ? 32 : 16) / P - 1, fit = regs / (N + 1);
   constexpr int CB = C == 0 ? 1 : fit >= C ? C : fit >= 4 ? 4 : fit >= 2 ? 2 : 1;
   for (int64_t c0 = 0; c0 < chunks_of<C>(D); c0 += CB) {
