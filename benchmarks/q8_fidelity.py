@@ -1,7 +1,7 @@
 """How far 8-bit activations (kernels="q8") move the embedded default from its float32 self (kernels="native").
 
 Teacher-forced over held-out conversations (answers no head was trained or calibrated on), in passes of MAX_ROWS
-tokens (the few-token passes that q8 runs; longer ones run float32 linears): how often both give the same top-1
+tokens over one cache (a native engine's passes: stock attention above them): how often both give the same top-1
 token, the mean log-likelihood of the answer tokens under each, and the mean KL divergence from float32 to q8. Then
 greedy plain decoding of MT-Bench first turns (one per category): answers identical or not, and the tokens that
 agree before the first difference. Prints a summary, writes JSON.
@@ -20,7 +20,7 @@ from medusa_decoding.bench import agreed_prefix, read_questions
 from medusa_decoding.cache import allocate
 from medusa_decoding.calibrate import device_name
 from medusa_decoding.eager import forward
-from medusa_decoding.kernels import MAX_ROWS, Q8Linear, q8_paths
+from medusa_decoding.kernels import MAX_ROWS, Q8Linear, load_native
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, read_conversations
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,7 +70,8 @@ def main() -> None:
         greedy.append({"question_id": question.question_id, "category": question.category, "identical": a == b,
                        "agreed_tokens": agreed, "native_tokens": len(a)})
     record = {
-        "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(), "q8_paths": q8_paths(),
+        "device": device_name(torch.device("cpu")), "threads": torch.get_num_threads(),
+        "q8_paths": [name for name in load_native().q8_path_names() if name],
         "data": args.data, "conversations": len(examples), "answer_tokens": positions,
         "top1_agreement": agree / positions,
         "mean_log_likelihood": {name: total / positions for name, total in likelihood.items()},

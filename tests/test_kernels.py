@@ -447,6 +447,27 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
 
 
 @needs_native
+def test_a_q8_linear_runs_a_prefills_rows_in_q8_and_a_recorded_pass_in_float32():
+    """Past MAX_ROWS rows (a prompt) a Q8Linear still quantizes each row, as its few-row passes do (each row bitwise
+    what it gets alone); where autograd records, float32 linears, whose backward exists."""
+    load_native()
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 24)
+    linear.weight.data = gguf_exact(torch.randn(24, 64), "Q4_1")
+    linear.__class__ = Q8Linear
+    for name, tensor in zip(("codes", "scales"), q8_pack(*block_codes(linear.weight.data)), strict=True):
+        linear.register_buffer(name, tensor, persistent=False)
+    x = torch.randn(MAX_ROWS + 72, 64)
+    with torch.inference_mode():
+        out = linear(x)
+        assert all(torch.equal(linear(x[m : m + 1]), out[m : m + 1]) for m in (0, MAX_ROWS, MAX_ROWS + 71))
+    recorded = linear(x.requires_grad_())
+    torch.testing.assert_close(recorded, torch.nn.functional.linear(x, linear.weight, linear.bias))
+    recorded.sum().backward()
+    assert x.grad is not None and linear.weight.grad is not None
+
+
+@needs_native
 def test_q8_linear_refuses_a_path_this_cpu_lacks():
     load_native()
     packed = q8_pack(*block_codes(gguf_exact(torch.randn(4, 32), "Q4_1")))

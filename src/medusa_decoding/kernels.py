@@ -64,7 +64,7 @@ KERNELS = ("auto", "stock", "native", "q8", "compiled", "compiled-q8")
 COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compiled engine
 NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native build (and a CPU in float32)
 Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bit activations
-MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above, the prefill, stock
+MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above (a prefill) stock, q8 still
 BLOCK = 32  # weights per GGUF block
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / name for name in ("linear.cpp", "attention.cpp", "layer.cpp")]
@@ -200,10 +200,12 @@ class Q8Linear(NativeLinear):
     and sum the products in integers (medusa::linear_q8, llama.cpp's arithmetic) over weights repacked for it
     (`q8_pack`: its `codes` and `scales` are in that layout): still batch-invariant, approximate (`benchmarks/q8_fidelity.py`
     measures how far from the float32 model), and faster than float32 from one token to a tree's 16. It runs the
-    fastest instructions this CPU has; the op's `path` argument forces others (Q8_PATHS' index: tests run each)."""
+    fastest instructions this CPU has; the op's `path` argument forces others (Q8_PATHS' index: tests run each).
+    A prefill's many rows go through it too (a block of codes serves every row from L1: faster than MKL's float32
+    GEMM, and llama.cpp's arithmetic for the prompt as well), except where autograd records (no backward here)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * x.shape[-1]:
+        if x.numel() > MAX_ROWS * x.shape[-1] and torch.is_grad_enabled():
             return nn.functional.linear(x, self.weight, self.bias)
         out = OPS.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
                                          self.out_features, -1)
