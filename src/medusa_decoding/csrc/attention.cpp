@@ -62,28 +62,41 @@ struct Query {
   float inverse;
 };
 
-// scores of the keys cols[i0:], into p; the running maximum in top16
-template <int C, typename E>
-void scores(Query& a, const E* K, int64_t i0, int64_t D, int64_t krow, float scale) {
-  const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = cols.size(), chunks = chunks_of<C>(D);
-  F16 q[MAX_HEAD_DIM / LANES];
-  for (int64_t c = 0; c < chunks; c++) q[c] = chunk<C>(a.q, c, D);
-  for (int64_t i = i0; i < n; i += LANES) {
-    F16 acc[LANES];
+// N queries at a time over the keys cols[i0:i1] of the first (every one of them sees those keys at those places: the
+// shared prefix, or N = 1): a key's vectors are read (and widened) once for all N, whose sums build up side by side.
+// Each query's operations and their order are its own whatever N: the same bits.
+constexpr int QB = 4;  // queries a pass over the shared keys serves
+
+// the keys' scores, into each query's p; the running maximum in top16
+template <int C, int N, typename E>
+void scores(Query* qs, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
+  const std::vector<int64_t>& cols = *qs[0].cols;
+  const int64_t chunks = chunks_of<C>(D);
+  F16 q[N][MAX_HEAD_DIM / LANES];
+  for (int n = 0; n < N; n++)
+    for (int64_t c = 0; c < chunks; c++) q[n][c] = chunk<C>(qs[n].q, c, D);
+  for (int64_t i = i0; i < i1; i += LANES) {
+    const int64_t count = std::min(LANES, i1 - i);
+    F16 acc[N][LANES];
     for (int64_t j = 0; j < LANES; j++) {
-      if (i + j >= n) {
-        acc[j] = zero();
+      if (j >= count) {
+        for (int n = 0; n < N; n++) acc[n][j] = zero();
         continue;
       }
       const E* kp = K + cols[i + j] * krow;
-      F16 s = q[0] * chunk<C>(kp, 0, D);
-      for (int64_t c = 1; c < chunks; c++) s = fma(q[c], chunk<C>(kp, c, D), s);
-      acc[j] = half(s);
+      F16 s[N], k = chunk<C>(kp, 0, D);
+      for (int n = 0; n < N; n++) s[n] = q[n][0] * k;
+      for (int64_t c = 1; c < chunks; c++) {
+        k = chunk<C>(kp, c, D);
+        for (int n = 0; n < N; n++) s[n] = fma(q[n][c], k, s[n]);
+      }
+      for (int n = 0; n < N; n++) acc[n][j] = half(s[n]);
     }
-    const F16 s = first(sums16(acc) * scale, n - i, -INFINITY);
-    store16(a.p + i, s);  // past n: the padding (i unaligned after the shared prefix)
-    a.top16 = max(s, a.top16);
+    for (int n = 0; n < N; n++) {
+      const F16 s = first(sums16(acc[n]) * scale, count, -INFINITY);
+      store16(qs[n].p + i, s);  // past count: keys a later call scores, or the padding (i is not always aligned)
+      qs[n].top16 = max(s, qs[n].top16);
+    }
   }
 }
 
@@ -100,58 +113,10 @@ void exponentials(Query& a) {
   a.inverse = n ? 1 / sum(total) : 0;
 }
 
-// the values of the keys cols[i0:], weighted, added to out key by key
-template <int C, typename E>
-void values(Query& a, const E* V, int64_t i0, int64_t D, int64_t vrow) {
-  const std::vector<int64_t>& cols = *a.cols;
-  const int64_t n = cols.size(), chunks = chunks_of<C>(D);
-  F16 out[MAX_HEAD_DIM / LANES];
-  for (int64_t c = 0; c < chunks; c++) out[c] = a.out[c];
-  for (int64_t i = i0; i < n; i++) {
-    const E* vp = V + cols[i] * vrow;
-    for (int64_t c = 0; c < chunks; c++) out[c] = fma(a.p[i], chunk<C>(vp, c, D), out[c]);
-  }
-  for (int64_t c = 0; c < chunks; c++) a.out[c] = out[c];
-}
-
-// The keys every query of a group sees alike (the shared prefix: columns 0, 1, ...) go to N queries at a time: a key's
-// vectors are read (and widened) once for all N, whose sums build up side by side. Each query's operations are
-// scores' and values' own, in the same order: the same bits.
-constexpr int QB = 4;  // queries a pass over the shared keys serves
-
+// the keys' values, weighted, added to each query's out key by key
 template <int C, int N, typename E>
-void shared_scores(Query* qs, const E* K, int64_t i0, int64_t i1, int64_t D, int64_t krow, float scale) {
-  const int64_t chunks = chunks_of<C>(D);
-  F16 q[N][MAX_HEAD_DIM / LANES];
-  for (int n = 0; n < N; n++)
-    for (int64_t c = 0; c < chunks; c++) q[n][c] = chunk<C>(qs[n].q, c, D);
-  for (int64_t i = i0; i < i1; i += LANES) {
-    const int64_t count = std::min(LANES, i1 - i);
-    F16 acc[N][LANES];
-    for (int64_t j = 0; j < LANES; j++) {
-      if (j >= count) {
-        for (int n = 0; n < N; n++) acc[n][j] = zero();
-        continue;
-      }
-      const E* kp = K + (i + j) * krow;
-      F16 s[N], k = chunk<C>(kp, 0, D);
-      for (int n = 0; n < N; n++) s[n] = q[n][0] * k;
-      for (int64_t c = 1; c < chunks; c++) {
-        k = chunk<C>(kp, c, D);
-        for (int n = 0; n < N; n++) s[n] = fma(q[n][c], k, s[n]);
-      }
-      for (int n = 0; n < N; n++) acc[n][j] = half(s[n]);
-    }
-    for (int n = 0; n < N; n++) {
-      const F16 s = first(sums16(acc[n]) * scale, count, -INFINITY);
-      store16(qs[n].p + i, s);  // past count: the keys after the prefix, or the padding
-      qs[n].top16 = max(s, qs[n].top16);
-    }
-  }
-}
-
-template <int C, int N, typename E>
-void shared_values(Query* qs, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
+void values(Query* qs, const E* V, int64_t i0, int64_t i1, int64_t D, int64_t vrow) {
+  const std::vector<int64_t>& cols = *qs[0].cols;
   // each query's vector c builds up over the keys, its own chain: CB of them at a time, as many as fit the registers
   // (AVX-512: 32 of one F16 each, AVX2: 16 of half one) with the key's CB vectors; a power of two: it divides C
   constexpr int regs = (W == 16 ? 32 : 16) / P - 1, fit = regs / (N + 1);
@@ -162,7 +127,7 @@ void shared_values(Query* qs, const E* V, int64_t i0, int64_t i1, int64_t D, int
       for (int b = 0; b < CB; b++) out[n][b] = qs[n].out[c0 + b];
     for (int64_t i = i0; i < i1; i++) {
       F16 v[CB];
-      for (int b = 0; b < CB; b++) v[b] = chunk<C>(V + i * vrow, c0 + b, D);
+      for (int b = 0; b < CB; b++) v[b] = chunk<C>(V + cols[i] * vrow, c0 + b, D);
       for (int n = 0; n < N; n++)
         for (int b = 0; b < CB; b++) out[n][b] = fma(qs[n].p[i], v[b], out[n][b]);
     }
@@ -204,15 +169,15 @@ FMA_CLONES void attend_group(std::vector<Query>& group, const E* K, const E* V, 
   }
   for (int64_t i = 0; i < shared; i += TILE_KEYS)
     in_blocks(group, [&](Query* qs, auto n) {
-      shared_scores<C, decltype(n)::value, E>(qs, K, i, std::min(shared, i + TILE_KEYS), D, krow, scale);
+      scores<C, decltype(n)::value, E>(qs, K, i, std::min(shared, i + TILE_KEYS), D, krow, scale);
     });
-  for (Query& a : group) scores<C, E>(a, K, shared, D, krow, scale);
+  for (Query& a : group) scores<C, 1, E>(&a, K, shared, a.cols->size(), D, krow, scale);
   for (Query& a : group) exponentials(a);
   for (int64_t i = 0; i < shared; i += TILE_KEYS)
     in_blocks(group, [&](Query* qs, auto n) {
-      shared_values<C, decltype(n)::value, E>(qs, V, i, std::min(shared, i + TILE_KEYS), D, vrow);
+      values<C, decltype(n)::value, E>(qs, V, i, std::min(shared, i + TILE_KEYS), D, vrow);
     });
-  for (Query& a : group) values<C, E>(a, V, shared, D, vrow);
+  for (Query& a : group) values<C, 1, E>(&a, V, shared, a.cols->size(), D, vrow);
   const int64_t chunks = chunks_of<C>(D);
   for (Query& a : group)
     for (int64_t c = 0; c < chunks; c++) store16(a.o + c * LANES, a.out[c] * a.inverse, std::min(LANES, D - c * LANES));
