@@ -14,8 +14,8 @@ from medusa_decoding import compiled, device_acceptance
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, Row, prefill, propose, propose_confident
-from medusa_decoding.eager import Eager
+from medusa_decoding.decoding import PLAIN, Batch, Row, propose, propose_confident
+from medusa_decoding.eager import Eager, prefill
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.proposal import confident_tree
@@ -131,7 +131,7 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
 
     def run(ahead: bool) -> tuple[list, set]:
         batch = Batch(engine, heads, compiled=True)
-        batch.engine.ahead, batch.engine.windowed = ahead, True
+        batch.engine.ahead, batch.engine.windowed, batch.engine.chunk = ahead, True, 16
         join = lambda i: batch.join(prompts[i], GenerationConfig(max_new_tokens=budgets[i]), Tree.from_spec([2, 1]))
         rows = [join(0), join(1)]
         produced, windows = {id(row): [[row.root]] for row in rows}, set()
@@ -150,6 +150,25 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
     assert run(ahead=True)[0] == alone
     assert [[t for step in steps for t in step] for steps in alone] == references
     assert len(alone[0]) < 20  # the oracle's paths accepted deep
+
+
+@needs_compiler
+def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does():
+    """Compiled.prefill in passes of a few tokens (as on a GPU) against the eager prefill: a prompt shorter than a
+    pass, one that fills two exactly, one whose last pass overlaps the one before, then a short one again (the kept
+    one-row cache holds the long one's entries past it): the same logits, heads' input state and cache entries."""
+    model = use_kernels(lively_model("llama"), "compiled")
+    engine = Compiled(model, random_heads(model, feature_layers=(1,)))
+    engine.chunk = 8
+    for prompt in (PROMPT[:5], PROMPT.repeat(2)[:16], PROMPT.repeat(2)[:21], PROMPT[:3]):
+        with torch.inference_mode():  # as Batch.join runs it
+            cache, logits, state = engine.prefill(prompt)
+            want_cache, want_logits, want_states = prefill(model, prompt, len(prompt), engine.layers)
+        torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state, want_states[-1], atol=1e-4, rtol=1e-4)
+        for layer, want in zip(cache.layers, want_cache.layers):
+            torch.testing.assert_close(layer.keys, want.keys, atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(layer.values, want.values, atol=1e-4, rtol=1e-4)
 
 
 @needs_compiler
@@ -291,7 +310,7 @@ def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_not
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)
-        batch.engine.ahead = batch.engine.windowed = True
+        batch.engine.ahead, batch.engine.windowed, batch.engine.chunk = True, True, 8
         row = batch.join(prompt, config, tree)
         with torch.inference_mode():
             batch.step()  # the first step builds the rows' device state

@@ -20,8 +20,7 @@ from medusa_decoding import MedusaModel, decoding
 from medusa_decoding.base import check_context, context_limit
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import prefill
-from medusa_decoding.eager import Eager
+from medusa_decoding.eager import Eager, prefill
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import Q8Linear, native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree

@@ -22,8 +22,8 @@ from engine_helpers import (decode, engine_prefill, greedy_reference, lively_mod
 from medusa_decoding import MedusaModel, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding import native_layers
-from medusa_decoding.decoding import PLAIN, prefill
-from medusa_decoding.eager import step_forward
+from medusa_decoding.decoding import PLAIN
+from medusa_decoding.eager import prefill, step_forward
 from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
                                      BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
                                      guess_projection, load_native, native_build, q8_pack, reads_blocks,

@@ -93,6 +93,17 @@ def allocate(model: PreTrainedModel, capacity: int, whole: bool = False, dtype: 
     return Cache(layers=[PreallocatedLayer(capacity, whole, dtype) for _ in range(num_layers)])
 
 
+def begin(cache: Cache, model: PreTrainedModel, rows: int) -> None:
+    """A whole cache's buffers for `rows` rows before any pass writes to it, shaped from the model's config: a
+    compiled pass writes at indexed columns only (`place`), into buffers that exist."""
+    config = model.config.get_text_config()
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    empty = torch.empty(1, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
+    for layer in cache.layers:
+        layer.begin(empty, empty, rows)
+
+
 def width(cache: Cache) -> int:
     """The columns in use: the longest row's entries."""
     return cache.layers[0].keys.shape[-2] if cache.layers[0].is_initialized else 0

@@ -16,7 +16,8 @@ waits). On a GPU that step is captured as one CUDA graph (`capture`, one per win
 addresses request after request (whole caches are pooled per model: `cache_for`), each step launched before the last
 one is read (DeviceRows, `ahead`). The guard's picks (`--tree auto`, `confident` without a size) run verify_graph
 with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of their own, and
-read the accepted paths. The prefill stays eager: it runs once per request, at a length no two requests share.
+read the accepted paths. The prefill runs eagerly on a CPU; on a GPU, whose eager launches cost more than its
+arithmetic, it goes through verify_graph `chunk` tokens at a time (`Compiled.prefill`): one graph for every length.
 
 Inductor caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory),
 so a second process compiles faster. Where compiling is unavailable (no C++ compiler for inductor on a CPU, no
@@ -34,11 +35,13 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from .base import context_limit
 from .device_acceptance import accept_greedy, accept_sampled
+from .eager import prefill
 from .heads import run_backbone
 from .proposal import candidates, confident_tree
 from .tree import Tree, on_device, padded, spanning
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
+CHUNK = 128  # a prompt's tokens a pass on a GPU (Compiled.prefill)
 
 
 def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -103,9 +106,37 @@ class Compiled:
         # a CPU a step runs on the cores the host would go over it with (ahead gains nothing), and the native
         # attention skips masked columns (windows would only add graphs, compiled mid-answer)
         self.ahead = self.windowed = model.device.type == "cuda"
+        # on a GPU a prompt goes through the step's graph `chunk` tokens at a time: eagerly, a prefill's hundreds of
+        # launches from the host cost ten of SmolLM2's steps; on a CPU the work is in the arithmetic, not launches
+        self.chunk = CHUNK if model.device.type == "cuda" else 0
 
     def cache(self, batch) -> Cache:
         return cache_for(batch, self.model)
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+        """Eager.prefill's outcome; with a `chunk`, passes of `chunk` tokens (a chain through verify_graph: one graph
+        whatever the prompt's length) into a one-row whole cache kept for the next prompt. The last pass ends at the
+        prompt's end (it computes again what the one before wrote: the same entries); a shorter prompt's pass is
+        padded past it, entries the row never keeps."""
+        if not self.chunk:
+            cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
+            return cache, logits, states[-1]
+        length, device = prompt.shape[-1], prompt.device
+        cache = PREFILLS.get(self.model)
+        if cache is None:
+            cache = PREFILLS[self.model] = kv.allocate(self.model, CAPACITY, whole=True)
+            kv.begin(cache, self.model, 1)
+        kv.reserve(cache, 1, max(length, self.chunk))
+        tokens = torch.zeros(max(length, self.chunk), dtype=torch.long, device=device)
+        tokens[:length] = prompt
+        starts = [*range(0, length - self.chunk, self.chunk), max(0, length - self.chunk)]
+        for start in starts:
+            kv.place(cache, [start], self.chunk)
+            logits, states, _ = model_graph(verify_graph, self.model)(
+                self.model, cache, tokens[start: start + self.chunk].unsqueeze(0), torch.tensor([start], device=device),
+                *chain(self.chunk, device), self.layers)
+        kv.settle(cache, [length], [[]])
+        return cache, logits[0, length - 1 - starts[-1]].clone(), states[0, length - 1 - starts[-1]].clone()
 
     def nodes(self, plans: list) -> int:
         """The step's width: the guard's pick, whatever the budget or confidence leaves of it (one graph a size)."""
@@ -195,6 +226,12 @@ class Compiled:
     def settled(self) -> None:
         """After the rows moved on as the device step said."""
         self.device_rows.seen = self.device_rows.now()
+
+
+@functools.cache
+def chain(nodes: int, device: torch.device) -> list[torch.Tensor]:
+    """A chain of `nodes` tokens as a step's tree tensors for one row (Compiled.prefill): each sees those before it."""
+    return [t[None] for t in padded(spanning(nodes - 1, nodes - 1), nodes, device)]
 
 
 # a cache -> the shapes its path mover has run at (Compiled.commit). Per cache: another model's cache of the same
@@ -405,6 +442,7 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor, confid
 
 
 CACHES = weakref.WeakKeyDictionary()  # model -> the whole caches no batch holds
+PREFILLS = weakref.WeakKeyDictionary()  # model -> the one-row whole cache its prompts go through (Compiled.prefill)
 
 
 def cache_for(batch, model: PreTrainedModel) -> Cache:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import Cache, PreTrainedModel
+from transformers import PreTrainedModel
 
 from . import cache as kv
 from .acceptance import RULES, argmax, sample, target_probs
@@ -20,7 +20,7 @@ from .base import check_context
 from .compiled import Compiled
 from .config import GenerationConfig
 from .device_acceptance import draw_key
-from .eager import Eager, Packed, forward
+from .eager import Eager, Packed
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
 from .kernels import guess_projection
@@ -33,15 +33,6 @@ PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the sa
 
 def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> int:
     return int(argmax(logits)) if config.temperature == 0 else sample(target_probs(logits, config), generator)
-
-
-def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
-            ) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] at the last position and the heads' input
-    states [T, S] at every one)."""
-    cache = kv.allocate(model, capacity)
-    logits, states = forward(model, prompt[None], cache, last=True, layers=layers)
-    return cache, logits[0, -1], states[0]
 
 
 def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
@@ -184,10 +175,10 @@ class Batch:
             if tree.num_nodes > 1:
                 tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
         with torch.inference_mode():
-            cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.engine.layers)
+            cache, logits, state = self.engine.prefill(prompt)
             root = first_token(logits, config, generator)
             drafts = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
-            row = Row(config, Guard(ladder, root), eos_ids, generator, root, states[-1], prompt.shape[-1],
+            row = Row(config, Guard(ladder, root), eos_ids, generator, root, state, prompt.shape[-1],
                       drafts=drafts, key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree

@@ -25,6 +25,15 @@ def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = Fa
     return model.get_output_embeddings()(hidden[:, -1:] if last else hidden), state
 
 
+def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
+            ) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] at the last position and the heads' input
+    states [T, S] at every one)."""
+    cache = kv.allocate(model, capacity)
+    logits, states = forward(model, prompt[None], cache, last=True, layers=layers)
+    return cache, logits[0, -1], states[0]
+
+
 def step_forward(model: PreTrainedModel, weights: list | None, tokens: torch.Tensor, cache, lengths: torch.Tensor,
                  positions: torch.Tensor, mask: torch.Tensor, layers: tuple[int, ...] = ()
                  ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,6 +66,11 @@ class Eager:
 
     def cache(self, batch) -> Cache:
         return kv.allocate(self.model, 0, dtype=native_layers.CACHE if self.native is not None else None)
+
+    def prefill(self, prompt: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
+        """prompt [T] -> (its one-row cache, logits [V] and the heads' input state [S] at its last position)."""
+        cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
+        return cache, logits, states[-1]
 
     def nodes(self, plans: list) -> int:
         """The step's width: the largest tree to verify."""
