@@ -243,8 +243,9 @@ def test_gather_paths_moves_what_commit_moves(family):
     paths = ([0], [0, 1, 4, 7, 8], [0, 2, 6], [0, 3])  # DEFAULT_TREE's nodes: 6 is (1, 0), 3 (2,)
     with torch.no_grad():
         caches = []
-        for _ in range(2):
-            cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
+        for _ in range(2):  # whole caches, as the compiled engine's (gather_paths moves over their stacked buffers)
+            cache = kv.allocate(model, len(PROMPT) + tree.num_nodes, whole=True)
+            kv.insert(cache, prefill(model, PROMPT, len(PROMPT))[0], len(PROMPT) + tree.num_nodes)
             verify(model, cache, tokens, tree, len(PROMPT))
             caches.append(cache)
         for path in paths:  # the same pass committed both ways, one path after another

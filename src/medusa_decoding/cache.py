@@ -14,7 +14,8 @@ its attention mask hides (`step_inputs`).
 
 The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending a fixed window
 of the buffers' columns whatever the width in use (`attend`; the mask hides those not in use), writing each step's
-nodes at a column tensor (`place`) and moving the accepted paths with one gather/scatter (`gather_paths`).
+nodes at a column tensor (`place`) and moving the accepted paths with one gather/scatter (`gather_paths`) over every
+layer's buffers, views of one tensor (`stack`).
 """
 
 import torch
@@ -56,16 +57,17 @@ class PreallocatedLayer(DynamicLayer):
             return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
-    def begin(self, keys: torch.Tensor, values: torch.Tensor, slots: int) -> None:
+    def begin(self, keys: torch.Tensor, values: torch.Tensor, slots: int, buffers: tuple | None = None) -> None:
         """Buffers for `slots` rows shaped like keys, values [B, kv_heads, T, head_dim] (and typed like them unless the
-        layer's dtype says otherwise), no entry yet."""
+        layer's dtype says otherwise), no entry yet; `buffers`: as `grow`'s."""
         self.dtype, self.device, self.is_initialized = self.storage or keys.dtype, keys.device, True
         self.keys, self.values = keys[:, :, :0].to(self.dtype), values[:, :, :0].to(self.dtype)
-        self.grow(slots, self.capacity)
+        self.grow(slots, self.capacity, buffers)
 
-    def grow(self, slots: int, capacity: int) -> None:
-        """Buffers of at least `slots` rows and `capacity` positions, the entries so far copied over."""
-        if slots <= self.slots and capacity <= self.capacity and self.slots:
+    def grow(self, slots: int, capacity: int, buffers: tuple | None = None) -> None:
+        """Buffers of at least `slots` rows and `capacity` positions, the entries so far copied over; `buffers`: these
+        (keys, values) of that size, a whole cache's views of its stacked tensor (`stack`)."""
+        if buffers is None and slots <= self.slots and capacity <= self.capacity and self.slots:
             return
         slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
         rows, width = self.keys.shape[0], self.keys.shape[-2]
@@ -73,7 +75,7 @@ class PreallocatedLayer(DynamicLayer):
         # every column of the old buffers: a compiled step's entries lie past the views until they settle
         old = (self.key_buffer, self.value_buffer) if self.slots else (self.keys, self.values)
         # zeros, not garbage: stock attention reads the holes it masks, and 0 * NaN would be NaN
-        self.key_buffer, self.value_buffer = self.keys.new_zeros(shape), self.values.new_zeros(shape)
+        self.key_buffer, self.value_buffer = buffers or (self.keys.new_zeros(shape), self.values.new_zeros(shape))
         if self.whole and self.key_buffer.is_cuda:  # CUDA graphs replay on these very buffers
             torch._dynamo.mark_static_address(self.key_buffer)
             torch._dynamo.mark_static_address(self.value_buffer)
@@ -88,20 +90,28 @@ class PreallocatedLayer(DynamicLayer):
 
 def allocate(model: PreTrainedModel, capacity: int, whole: bool = False, dtype: torch.dtype | None = None) -> Cache:
     """An empty cache with room for `capacity` positions (one request: prompt + new tokens + one tree), its entries
-    of `dtype` (None: the model's keys')."""
-    num_layers = model.config.get_text_config().num_hidden_layers
-    return Cache(layers=[PreallocatedLayer(capacity, whole, dtype) for _ in range(num_layers)])
-
-
-def begin(cache: Cache, model: PreTrainedModel, rows: int) -> None:
-    """A whole cache's buffers for `rows` rows before any pass writes to it, shaped from the model's config: a
-    compiled pass writes at indexed columns only (`place`), into buffers that exist."""
+    of `dtype` (None: the model's keys'). A whole cache has its buffers from the start, for one row, shaped from the
+    model's config: a compiled pass writes at indexed columns only (`place`), into buffers that exist."""
     config = model.config.get_text_config()
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    empty = torch.empty(1, kv_heads, 0, head_dim, dtype=model.dtype, device=model.device)
-    for layer in cache.layers:
-        layer.begin(empty, empty, rows)
+    cache = Cache(layers=[PreallocatedLayer(capacity, whole, dtype) for _ in range(config.num_hidden_layers)])
+    if whole:
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        empty = torch.empty(0, kv_heads, 0, head_dim, dtype=dtype or model.dtype, device=model.device)  # no row yet
+        for layer, buffers in zip(cache.layers, stack(cache, 1, capacity, empty)):
+            layer.begin(empty, empty, 1, buffers)
+    return cache
+
+
+def stack(cache: Cache, slots: int, capacity: int, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A whole cache's buffers for `slots` rows and `capacity` positions, each layer's (keys, values): views of one
+    tensor, `cache.stacked` [layers, 2, slots, kv_heads, capacity, head_dim] (zeros, typed and placed like `like`
+    [B, kv_heads, T, head_dim]), so that a step's path move is one gather/scatter (gather_paths), not one a buffer:
+    60 for SmolLM2, 73 us against 4 on an H200 (benchmarks/gpu_anatomy.py)."""
+    cache.stacked = like.new_zeros((len(cache.layers), 2, slots, like.shape[1], capacity, like.shape[-1]))
+    if cache.stacked.is_cuda:  # CUDA graphs replay on these very buffers
+        torch._dynamo.mark_static_address(cache.stacked)
+    return [(keys, values) for keys, values in cache.stacked]
 
 
 def width(cache: Cache) -> int:
@@ -114,9 +124,11 @@ def reserve(cache: Cache, rows: int, columns: int) -> None:
     first = cache.layers[0]  # every layer's buffers have the same size
     if not first.is_initialized or (rows <= first.slots and columns <= first.capacity):  # every step: one check
         return
-    for layer in cache.layers:
-        layer.grow(max(rows, 2 * layer.slots if rows > layer.slots else 0),
-                   max(columns, 2 * layer.capacity if columns > layer.capacity else 0))
+    slots = max(rows, 2 * first.slots if rows > first.slots else 0, first.slots)
+    capacity = max(columns, 2 * first.capacity if columns > first.capacity else 0, first.capacity)
+    stacked = stack(cache, slots, capacity, first.keys) if first.whole else [None] * len(cache.layers)
+    for layer, buffers in zip(cache.layers, stacked):
+        layer.grow(slots, capacity, buffers)
 
 
 def insert(cache: Cache, row: Cache, capacity: int) -> None:
@@ -194,15 +206,13 @@ def step_inputs(lengths: torch.Tensor, depths: torch.Tensor, attention: torch.Te
 
 
 def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> None:
-    """commit's moves as one gather/scatter per buffer, of a fixed shape: row b's node paths[b, i] goes to column
-    lengths[b] + i for every i < T, where paths [B, T] continues each accepted path with i itself (moving nothing).
-    The views (the width in use) are then the caller's to `settle`."""
+    """commit's moves in a whole cache as one gather/scatter over all its buffers (`stack`), of a fixed shape: row b's
+    node paths[b, i] goes to column lengths[b] + i for every i < T, where paths [B, T] continues each accepted path
+    with i itself (moving nothing). The views (the width in use) are then the caller's to `settle`."""
     rows = torch.arange(len(lengths), device=lengths.device)[:, None]
     to = lengths[:, None] + torch.arange(paths.shape[1], device=lengths.device)
     source = lengths[:, None] + paths
-    for layer in cache.layers:
-        for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
-            buffer[rows, :, to] = buffer[rows, :, source]
+    cache.stacked[:, :, rows, :, to] = cache.stacked[:, :, rows, :, source]  # [layers, 2, slots, heads, capacity, dim]
 
 
 def remove(cache: Cache, index: int, wide: int) -> None:

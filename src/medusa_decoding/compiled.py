@@ -125,7 +125,6 @@ class Compiled:
         cache = PREFILLS.get(self.model)
         if cache is None:
             cache = PREFILLS[self.model] = kv.allocate(self.model, CAPACITY, whole=True)
-            kv.begin(cache, self.model, 1)
         kv.reserve(cache, 1, max(length, self.chunk))
         tokens = torch.zeros(max(length, self.chunk), dtype=torch.long, device=device)
         tokens[:length] = prompt
@@ -451,8 +450,7 @@ def cache_for(batch, model: PreTrainedModel) -> Cache:
     free = CACHES.setdefault(model, [])
     if free:
         cache = free.pop()
-        if cache.layers[0].is_initialized:  # (no row ever joined a batch done at its prefill)
-            kv.settle(cache, [], [])  # no rows
+        kv.settle(cache, [], [])  # no rows
     else:
         cache = kv.allocate(model, CAPACITY, whole=True)
     weakref.finalize(batch, free.append, cache)
