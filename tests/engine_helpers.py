@@ -154,7 +154,7 @@ def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.
 
 
 def engine_prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()):
-    """decoding.prefill, its row moved into a cache as the eager engine keeps it (float16 where the layers run
+    """eager.prefill, its row moved into a cache as the eager engine keeps it (float16 where the layers run
     natively: native_layers.CACHE) -> (cache, logits [V], the heads' input states [T, S])."""
     row, logits, states = prefill(model, prompt, len(prompt), layers)
     cache = Eager(model, None).cache(None)

@@ -153,13 +153,16 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
 
 
 @needs_compiler
-def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does():
+def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does(family):
     """Compiled.prefill in passes of a few tokens (as on a GPU) against the eager prefill: a prompt shorter than a
     pass, one that fills two exactly, one whose last pass overlaps the one before, then a short one again (the kept
-    one-row cache holds the long one's entries past it): the same logits, heads' input state and cache entries."""
-    model = use_kernels(lively_model("llama"), "compiled")
+    one-row cache holds the long one's entries past it): the same logits, heads' input state and cache entries; the
+    graph of a pass has no break (with heads that read a layer's output, which transformers records through hooks
+    that it installs at the first pass asking for them)."""
+    model = use_kernels(lively_model(family), "compiled")
     engine = Compiled(model, random_heads(model, feature_layers=(1,)))
     engine.chunk = 8
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     for prompt in (PROMPT[:5], PROMPT.repeat(2)[:16], PROMPT.repeat(2)[:21], PROMPT[:3]):
         with torch.inference_mode():  # as Batch.join runs it
             cache, logits, state = engine.prefill(prompt)
@@ -169,6 +172,7 @@ def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does():
         for layer, want in zip(cache.layers, want_cache.layers):
             torch.testing.assert_close(layer.keys, want.keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(layer.values, want.values, atol=1e-4, rtol=1e-4)
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
 
 
 @needs_compiler

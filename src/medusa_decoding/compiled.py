@@ -125,6 +125,11 @@ class Compiled:
         cache = PREFILLS.get(self.model)
         if cache is None:
             cache = PREFILLS[self.model] = kv.allocate(self.model, CAPACITY, whole=True)
+        if self.layers and self.model not in RECORDING:
+            # transformers hooks the layers whose outputs it records at the first pass that asks: eagerly, not in a
+            # graph (a graph break there left its remainder compiled without the model's guards: another model's)
+            prefill(self.model, prompt[:1], 1, self.layers)
+            RECORDING.add(self.model)
         kv.reserve(cache, 1, max(length, self.chunk))
         tokens = torch.zeros(max(length, self.chunk), dtype=torch.long, device=device)
         tokens[:length] = prompt
@@ -442,6 +447,7 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor, confid
 
 CACHES = weakref.WeakKeyDictionary()  # model -> the whole caches no batch holds
 PREFILLS = weakref.WeakKeyDictionary()  # model -> the one-row whole cache its prompts go through (Compiled.prefill)
+RECORDING = weakref.WeakSet()  # models that ran a pass recording layers' outputs eagerly (Compiled.prefill)
 
 
 def cache_for(batch, model: PreTrainedModel) -> Cache:
