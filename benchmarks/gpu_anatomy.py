@@ -1,5 +1,6 @@
 """Where a GPU step's time goes: a turn's fixed cost against its per-step cost, the host's profile,
-and the parts of a tree step (attention, top-k, the path move) timed alone as CUDA graphs.
+and the parts of a tree step (attention, top-k, the path move, a layer's linears) timed alone as CUDA graphs, each
+beside another way to do it.
 
 usage: python benchmarks/gpu_anatomy.py --questions .gpu2/mt_bench_question.jsonl [--out PREFIX]
 Writes PREFIX.json and PREFIX_host_{medusa,plain}_{1,128}.txt (cProfile, by own time). On a GPU only (CUDA graphs).
@@ -71,8 +72,23 @@ def attention_parts(dtype, queries: int, columns: int, heads=9, kv_heads=3, dim=
             (("gqa", gqa), ("repeated", repeated), ("folded", folded), ("folded_sdpa", folded_sdpa))}
 
 
+def chunked_topk(x: torch.Tensor, k: int, chunk: int = 128) -> torch.Tensor:
+    """topk(k).indices over the last dim (a multiple of `chunk`) in two small top-k's: the k chunks of the largest
+    maxima hold the k largest (a chunk holding one of them has at most k - 1 chunks of larger maxima), ties aside."""
+    blocks = x.unflatten(-1, (-1, chunk))
+    best = blocks.amax(-1).topk(k, dim=-1).indices  # [..., k] chunks
+    values = blocks.gather(-2, best[..., None].expand(*best.shape, chunk)).flatten(-2)  # [..., k * chunk]
+    top = values.topk(k, dim=-1).indices
+    return best.gather(-1, top // chunk) * chunk + top % chunk
+
+
 def other_parts(dtype) -> dict:
     logits = torch.randn(4, 1, 49152, dtype=dtype, device="cuda")
+    top = logits.gather(-1, chunked_topk(logits, 10)).sort(-1).values  # the same values (bfloat16 ties: not indices)
+    assert torch.equal(top, logits.topk(10).values.sort(-1).values)
+    x1, x64 = (torch.randn(n, 576, dtype=dtype, device="cuda") for n in (1, 64))
+    q, k, v, gate, up = (torch.randn(n, 576, dtype=dtype, device="cuda") for n in (576, 192, 192, 1536, 1536))
+    qkv, gate_up = torch.cat([q, k, v]), torch.cat([gate, up])
     layers = [[torch.randn(1, 3, 2048, 64, dtype=dtype, device="cuda") for _ in range(2)] for _ in range(30)]
     stacked = torch.randn(30, 2, 1, 3, 2048, 64, dtype=dtype, device="cuda")
     lengths = torch.tensor([300], device="cuda")
@@ -92,7 +108,12 @@ def other_parts(dtype) -> dict:
 
     return {"topk10": graph_us(lambda x: x.topk(10, dim=-1).indices, logits),
             "topk10_float": graph_us(lambda x: x.float().topk(10, dim=-1).indices, logits),
+            "topk10_chunked": graph_us(lambda x: chunked_topk(x, 10), logits),
             "argmax": graph_us(lambda x: x.argmax(-1), logits),
+            # a layer's linears but o and down, as SmolLM2 runs them (5) and with q, k, v and gate, up fused (2)
+            **{f"linears_{name}_{len(x)}": graph_us(f, x) for x in (x1, x64) for name, f in (
+                ("separate", lambda x: [x @ w.T for w in (q, k, v, gate, up)]),
+                ("fused", lambda x: [x @ qkv.T, x @ gate_up.T]))},
             "moves_60": graph_us(moves, lengths, paths), "moves_1": graph_us(one_move, lengths, paths)}
 
 
@@ -130,7 +151,7 @@ def main() -> None:
     args = parser.parse_args()
     report = {}
     for dtype in (torch.bfloat16,):
-        parts = {f"attention_{t}x{s}": attention_parts(dtype, t, s) for t in (1, 64) for s in (256, 2048)}
+        parts = {f"attention_{t}x{s}": attention_parts(dtype, t, s) for t in (1, 64) for s in (256, 512, 1024, 2048)}
         parts.update(other_parts(dtype))
         report["parts_us"] = parts
         print(json.dumps(parts, indent=1), flush=True)
