@@ -155,11 +155,11 @@ def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.
 
 def engine_prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()):
     """eager.prefill, its row moved into a cache as the eager engine keeps it (float16 where the layers run
-    natively: native_layers.CACHE) -> (cache, logits [V], the heads' input states [T, S])."""
-    row, logits, states = prefill(model, prompt, len(prompt), layers)
+    natively: native_layers.CACHE) -> (cache, logits [V], the heads' input state [S] at the last position)."""
+    row, logits, state = prefill(model, prompt, len(prompt), layers)
     cache = Eager(model, None).cache(None)
     kv.insert(cache, row, capacity)
-    return cache, logits, states
+    return cache, logits, state
 
 
 def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, layers: tuple[int, ...] = ()):

@@ -166,9 +166,9 @@ def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does(family)
     for prompt in (PROMPT[:5], PROMPT.repeat(2)[:16], PROMPT.repeat(2)[:21], PROMPT[:3]):
         with torch.inference_mode():  # as Batch.join runs it
             cache, logits, state = engine.prefill(prompt)
-            want_cache, want_logits, want_states = prefill(model, prompt, len(prompt), engine.layers)
+            want_cache, want_logits, want_state = prefill(model, prompt, len(prompt), engine.layers)
         torch.testing.assert_close(logits, want_logits, atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(state, want_states[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(state, want_state, atol=1e-4, rtol=1e-4)
         for layer, want in zip(cache.layers, want_cache.layers):
             torch.testing.assert_close(layer.keys, want.keys, atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(layer.values, want.values, atol=1e-4, rtol=1e-4)

@@ -119,8 +119,7 @@ class Compiled:
         prompt's end (it computes again what the one before wrote: the same entries); a shorter prompt's pass is
         padded past it, entries the row never keeps."""
         if not self.chunk:
-            cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
-            return cache, logits, states[-1]
+            return prefill(self.model, prompt, prompt.shape[-1], self.layers)
         length, device = prompt.shape[-1], prompt.device
         cache = PREFILLS.get(self.model)
         if cache is None:
@@ -140,7 +139,8 @@ class Compiled:
                 self.model, cache, tokens[start: start + self.chunk].unsqueeze(0), torch.tensor([start], device=device),
                 *chain(self.chunk, device), self.layers)
         kv.settle(cache, [length], [[]])
-        return cache, logits[0, length - 1 - starts[-1]].clone(), states[0, length - 1 - starts[-1]].clone()
+        last = length - 1 - starts[-1]  # the prompt's last token, in the last pass
+        return cache, logits[0, last].clone(), states[0, last].clone()
 
     def nodes(self, plans: list) -> int:
         """The step's width: the guard's pick, whatever the budget or confidence leaves of it (one graph a size)."""

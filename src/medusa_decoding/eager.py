@@ -27,11 +27,11 @@ def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = Fa
 
 def prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()
             ) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] at the last position and the heads' input
-    states [T, S] at every one)."""
+    """prompt: [T] -> (a one-row cache of `capacity` positions, logits [V] and the heads' input state [S] at the last
+    position)."""
     cache = kv.allocate(model, capacity)
     logits, states = forward(model, prompt[None], cache, last=True, layers=layers)
-    return cache, logits[0, -1], states[0]
+    return cache, logits[0, -1], states[0, -1]
 
 
 def step_forward(model: PreTrainedModel, weights: list | None, tokens: torch.Tensor, cache, lengths: torch.Tensor,
@@ -69,8 +69,7 @@ class Eager:
 
     def prefill(self, prompt: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
         """prompt [T] -> (its one-row cache, logits [V] and the heads' input state [S] at its last position)."""
-        cache, logits, states = prefill(self.model, prompt, prompt.shape[-1], self.layers)
-        return cache, logits, states[-1]
+        return prefill(self.model, prompt, prompt.shape[-1], self.layers)
 
     def nodes(self, plans: list) -> int:
         """The step's width: the largest tree to verify."""
