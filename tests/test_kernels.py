@@ -468,6 +468,30 @@ def test_a_q8_linear_runs_a_prefills_rows_in_q8_and_a_recorded_pass_in_float32()
 
 
 @needs_native
+@pytest.mark.parametrize("kernels_name", ["native", "q8"])
+@pytest.mark.parametrize("tokens", [1, 5])  # one query: native attention's path; five: a causal pass (sdpa)
+def test_a_switched_model_trains_with_the_stock_gradients_whatever_its_rows(kernels_name, tokens):
+    """The medusa ops have no backward: a pass that autograd records (training a model switched to native or q8
+    kernels, over a step's few rows) takes stock kernels and gets the stock model's gradients, with every weight
+    trainable and with only the input embedding (an adapter's case: the layers' inputs need gradients)."""
+    load_native()
+    stock = gguf_model("llama")
+    switched = use_kernels(copy.deepcopy(stock), kernels_name)
+    ids = torch.randint(0, stock.config.vocab_size, (2, tokens), generator=torch.Generator().manual_seed(tokens))
+    for trainable in (lambda name: True, lambda name: "embed_tokens" in name):
+        for model in (stock, switched):
+            model.zero_grad()
+            for name, parameter in model.named_parameters():
+                parameter.requires_grad_(trainable(name))
+            model(ids).logits.logsumexp(-1).sum().backward()
+        grads = {name: parameter.grad for name, parameter in switched.named_parameters()}
+        for name, parameter in stock.named_parameters():
+            assert (parameter.grad is None) == (not trainable(name))
+            if parameter.grad is not None:
+                torch.testing.assert_close(grads[name], parameter.grad, msg=name)
+
+
+@needs_native
 def test_q8_linear_refuses_a_path_this_cpu_lacks():
     load_native()
     packed = q8_pack(*block_codes(gguf_exact(torch.randn(4, 32), "Q4_1")))

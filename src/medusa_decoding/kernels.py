@@ -175,15 +175,22 @@ def blocks_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return OPS.linear_blocks(x, codes, scales, 8 * codes.shape[1] // x.shape[-1])
 
 
+def recorded(linear: nn.Linear, x: torch.Tensor) -> bool:
+    """Whether autograd records this pass (training a switched model): the medusa ops have no backward, so such a
+    pass takes stock kernels whatever its rows (else its gradients would be silently missing)."""
+    return torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad)
+
+
 class NativeLinear(nn.Linear):
     """An nn.Linear that runs medusa::linear on inputs of up to MAX_ROWS rows (a MEDUSA step) and stock kernels
-    above (a prefill); where `use_kernels` found its weights to be exact GGUF blocks (`block_codes`), it reads
-    those (`codes`, `scales`) instead: the same bits from a fifth or a third of the bytes. The blocks are found
-    once, when the layer is switched: a weight changed in place later (load_state_dict, merging an adapter) must be
-    switched on a fresh model. Parameters, tied embeddings, the state dict and save_pretrained are unchanged."""
+    above (a prefill) and wherever autograd records (`recorded`); where `use_kernels` found its weights to be exact
+    GGUF blocks (`block_codes`), it reads those (`codes`, `scales`) instead: the same bits from a fifth or a third of
+    the bytes. The blocks are found once, when the layer is switched: a weight changed in place later
+    (load_state_dict, merging an adapter) must be switched on a fresh model. Parameters, tied embeddings, the state
+    dict and save_pretrained are unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * x.shape[-1]:
+        if x.numel() > MAX_ROWS * x.shape[-1] or recorded(self, x):
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
         # a SmolLM2 step makes 211 of these calls: each attribute read through nn.Module.__getattr__ costs a microsecond
@@ -205,7 +212,7 @@ class Q8Linear(NativeLinear):
     GEMM, and llama.cpp's arithmetic for the prompt as well), except where autograd records (no backward here)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * x.shape[-1] and torch.is_grad_enabled():
+        if recorded(self, x):
             return nn.functional.linear(x, self.weight, self.bias)
         out = OPS.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
                                          self.out_features, -1)
@@ -386,12 +393,13 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     """The attention of native kernels: a MEDUSA step's queries (a float mask, 0 where a key is seen, or one query
     seeing every key) through medusa::attention, whose output for a query depends only on the keys it sees, in
     position order; a tree node then gets bitwise what a one-token pass gives its token, and a row of a batch what
-    it gets alone. The prefill (a causal pass over the prompt) and anything else through grouped_sdpa.
-    query: [B, H, T, D]; key, value: [B, H_kv, S, D] -> [B, T, H, D]."""
+    it gets alone. The prefill (a causal pass over the prompt), a pass autograd records and anything else through
+    grouped_sdpa. query: [B, H, T, D]; key, value: [B, H_kv, S, D] -> [B, T, H, D]."""
     mask, (batch, _, queries, _) = attention_mask, query.shape
     step = (mask is None and queries == 1) or (mask is not None and mask.dtype == query.dtype and mask.dim() == 4
                                                and mask.shape[1] == 1 and queries <= MAX_ROWS)
-    if not step or dropout or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
+    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
+    if not step or dropout or records or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = None if mask is None else mask[:, 0].expand(batch, -1, -1)
