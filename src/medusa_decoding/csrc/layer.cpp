@@ -14,7 +14,6 @@
 
 #include <cmath>
 #include <cstdint>
-#include <vector>
 
 #include "ops.h"
 #include "simd.h"
@@ -43,33 +42,34 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
 // x [M, heads * D] in place: x * cos + rotate_half(x) * sin per head, rotate_half(x) = [-x2, x1] (`transformers`')
 void rotate(at::Tensor& x, int64_t heads, const float* cos, const float* sin, int64_t D) {
   const int64_t M = x.size(0), half = D / 2;
-  std::vector<float> was(D);
   float* X = x.data_ptr<float>();
   for (int64_t r = 0; r < M; r++)
     for (int64_t h = 0; h < heads; h++) {
       float* v = X + (r * heads + h) * D;
       const float *c = cos + r * D, *s = sin + r * D;
-      std::copy(v, v + D, was.begin());
-      for (int64_t i = 0; i < half; i++) v[i] = was[i] * c[i] + -was[i + half] * s[i];
-      for (int64_t i = half; i < D; i++) v[i] = was[i] * c[i] + was[i - half] * s[i];
+      for (int64_t i = 0; i < half; i++) {  // the pair (i, i + half) in registers, not a copy of the head
+        const float a = v[i], b = v[i + half];
+        v[i] = a * c[i] + -b * s[i];
+        v[i + half] = b * c[i + half] + a * s[i + half];
+      }
     }
 }
 
-// gate <- silu(gate) * up, where silu(g) = g * sigmoid(g) with e^-|g| (simd.h's exp takes x <= 0)
+// gate <- silu(gate) * up, 16 lanes at a time: silu(g) = g * sigmoid(g), the sigmoid from e^-|g| (simd.h's exp takes
+// x <= 0). Vectors throughout (the divisions too): it runs on one core while the other waits for the next linear
 FMA_CLONES void silu_times(at::Tensor& gate, const at::Tensor& up) {
   float* G = gate.data_ptr<float>();
   const float* U = up.data_ptr<float>();
   const int64_t n = gate.numel();
-  float e[LANES];
   for (int64_t i = 0; i < n; i += LANES) {
     const int64_t count = std::min<int64_t>(LANES, n - i);
-    float negative[LANES] = {};
-    for (int64_t j = 0; j < count; j++) negative[j] = -std::fabs(G[i + j]);
-    store16(e, exp(load16(negative)));
-    for (int64_t j = 0; j < count; j++) {
-      const float g = G[i + j], sigmoid = g >= 0 ? 1 / (1 + e[j]) : e[j] / (1 + e[j]);
-      G[i + j] = g * sigmoid * U[i + j];
+    F16 g = count == LANES ? load16(G + i) : load16(G + i, count);
+    const F16 u = count == LANES ? load16(U + i) : load16(U + i, count);
+    for (int p = 0; p < P; p++) {
+      const V e = exp(-abs(g.p[p]));
+      g.p[p] = g.p[p] * (g.p[p] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u.p[p];
     }
+    count == LANES ? store16(G + i, g) : store16(G + i, g, count);  // a fixed-size copy: vector stores
   }
 }
 

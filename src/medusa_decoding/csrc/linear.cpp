@@ -497,11 +497,12 @@ std::vector<std::string> q8_path_names() {
   return names;
 }
 
-// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q
+// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q. amax
+// lane by lane, then across the lanes (a max is exact in any order): one running max is a chain of 32 dependent
+// instructions, and this runs on one core while the other waits for the linear
 FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
   for (int64_t r = 0; r < blocks; r++, x += BLOCK, q += BLOCK) {
-    float amax = 0;
-    for (int j = 0; j < BLOCK; j++) amax = std::max(amax, std::fabs(x[j]));
+    const float amax = lane_max(max(abs(load16(x)), abs(load16(x + 16))));
     const float scale = amax / 127, inverse = scale != 0 ? 1 / scale : 0;
     int32_t sum = 0;
     for (int j = 0; j < BLOCK; j++) {

@@ -80,6 +80,8 @@ inline I widen(const uint8_t* p) {
 
 inline V to_float(I v) { return __builtin_convertvector(v, V); }
 
+inline V abs(V a) { return (V)((I)a & 0x7fffffff); }  // the sign bit cleared, as fabs
+
 // 16 lanes as P native vectors
 struct F16 {
   V p[P];
@@ -168,6 +170,11 @@ inline F16 operator*(F16 a, float s) {
 
 inline F16 max(F16 a, F16 b) {  // a > b ? a : b, lane by lane
   for (int i = 0; i < P; i++) a.p[i] = a.p[i] > b.p[i] ? a.p[i] : b.p[i];
+  return a;
+}
+
+inline F16 abs(F16 a) {
+  for (int i = 0; i < P; i++) a.p[i] = abs(a.p[i]);
   return a;
 }
 
