@@ -63,13 +63,13 @@ FMA_CLONES void silu_times(at::Tensor& gate, const at::Tensor& up) {
   const int64_t n = gate.numel();
   for (int64_t i = 0; i < n; i += LANES) {
     const int64_t count = std::min<int64_t>(LANES, n - i);
-    F16 g = count == LANES ? load16(G + i) : load16(G + i, count);
-    const F16 u = count == LANES ? load16(U + i) : load16(U + i, count);
+    F16 g = load16(G + i, count);
+    const F16 u = load16(U + i, count);
     for (int p = 0; p < P; p++) {
       const V e = exp(-abs(g.p[p]));
       g.p[p] = g.p[p] * (g.p[p] >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e)) * u.p[p];
     }
-    count == LANES ? store16(G + i, g) : store16(G + i, g, count);  // a fixed-size copy: vector stores
+    store16(G + i, g, count);
   }
 }
 

@@ -118,14 +118,20 @@ inline F16 load16(const uint16_t* x) {
 #endif
 }
 
+// a whole vector's count loads and stores directly; fewer go through a buffer (a copy of variable size)
 template <typename E>  // float or float16 bits
 inline F16 load16(const E* x, int64_t count) {  // lanes past count are 0
+  if (count == 16) return load16(x);
   E buffer[16] = {};
   std::memcpy(buffer, x, sizeof(E) * count);
   return load16(buffer);
 }
 
 inline void store16(float* x, F16 a, int64_t count = 16) {
+  if (count == 16) {
+    for (int i = 0; i < P; i++) store(x + i * W, a.p[i]);
+    return;
+  }
   float buffer[16];
   for (int i = 0; i < P; i++) std::memcpy(buffer + i * W, &a.p[i], sizeof(V));
   std::memcpy(x, buffer, sizeof(float) * count);
