@@ -389,9 +389,11 @@ Q8_TOLERANCE = 0.015  # |q8 - float32| / |float32| over a layer's outputs: 8-bit
 
 
 @needs_native
-def test_guesses_read_the_lm_heads_gguf_blocks_where_it_has_them_to_the_same_bits():
-    native = native_copy(gguf_model("llama"))
-    lm_head, vocab = native.get_output_embeddings(), torch.tensor([5, 0, 17, 3, 40])
+@pytest.mark.parametrize("kernels_", ["native", "q8"])
+def test_guesses_read_the_lm_heads_gguf_blocks_where_it_has_them_to_the_same_bits(kernels_):
+    native = use_kernels(gguf_model("llama"), kernels_)
+    lm_head = native.get_output_embeddings()
+    vocab = torch.tensor([5, 0, 17, 3, 40, *range(60, 80)])  # q8: more rows than a group of 16, out of order
     hidden = torch.randn(3, native.config.hidden_size)
     with torch.no_grad():
         guesses = guess_projection(native)

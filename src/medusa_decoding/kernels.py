@@ -314,32 +314,38 @@ class Int8Linear(nn.Module):
 
 
 class BlockRows(nn.Module):
-    """Rows of a NativeLinear that reads GGUF blocks (`codes`, `scales`), read as blocks: its own float32 outputs on
-    those rows, from the fewest bytes. rows: as Int8Linear's (None: all, the blocks shared, not copied)."""
+    """Rows of a NativeLinear that reads GGUF blocks (`codes`, `scales`), read as it reads them (a Q8Linear's with
+    8-bit activations): its own outputs on those rows, from the fewest bytes. rows: as Int8Linear's (None: all, the
+    blocks shared, not copied)."""
 
     def __init__(self, linear: NativeLinear, rows: torch.Tensor | None = None):
         super().__init__()
         codes, scales, bias = linear._buffers["codes"], linear._buffers["scales"], linear.bias
-        if rows is not None:
-            codes, scales = codes[rows].contiguous(), scales[rows].contiguous()
+        self.q8 = type(linear) is Q8Linear
+        if rows is not None:  # a Q8Linear's rows come packed 16 together: those rows' blocks are packed anew
+            codes, scales = (q8_pack(*block_codes(linear.weight.detach()[rows])) if self.q8 else
+                             (codes[rows].contiguous(), scales[rows].contiguous()))
             bias = None if bias is None else bias[rows]
+        self.out_features = linear.out_features if rows is None else len(rows)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("scales", scales, persistent=False)
         self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)
         self.register_buffer("rows", rows, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = blocks_linear(x.reshape(-1, x.shape[-1]), self.codes, self.scales)
+        x2 = x.reshape(-1, x.shape[-1])
+        out = (OPS.linear_q8(x2, self.codes, self.scales, self.out_features, -1) if self.q8 else
+               blocks_linear(x2, self.codes, self.scales))
         out = out if self.bias is None else out + self.bias
         return out.reshape(*x.shape[:-1], -1)
 
 
 def guess_copy(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Module:
     """The LM head's copy that the heads' guesses go through on a CPU in float32, on `rows` (None: all): its GGUF
-    blocks where it reads them as float32 (the embedded default's Q8_0 embedding: exact, and fewer bytes than
-    Int8Linear's rows and scales), else int8 weights (Int8Linear: a quarter of float32's bytes, approximate; a guess
-    needs no more)."""
-    if type(lm_head) is NativeLinear and "codes" in lm_head._buffers:
+    blocks where it reads them (the embedded default's Q8_0 embedding: its own arithmetic on those rows, and fewer
+    bytes than Int8Linear's rows and scales), else int8 weights (Int8Linear: a quarter of float32's bytes,
+    approximate; a guess needs no more)."""
+    if isinstance(lm_head, NativeLinear) and "codes" in lm_head._buffers:
         return BlockRows(lm_head, rows)
     return Int8Linear(lm_head, rows)
 
