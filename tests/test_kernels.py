@@ -27,7 +27,8 @@ from medusa_decoding.eager import prefill, step_forward
 from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
                                      BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
                                      guess_projection, load_native, native_build, q8_pack, reads_blocks,
-                                     resolve_kernels, set_guess_vocab, stock_kernels, use_kernels)
+                                     reset_kernels, resolve_kernels, set_guess_vocab, stock_kernels,
+                                     use_kernels)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -401,6 +402,36 @@ def test_guesses_read_the_lm_heads_gguf_blocks_where_it_has_them_to_the_same_bit
         assert torch.equal(guesses(hidden), lm_head(hidden))
         set_guess_vocab(native, vocab)
         assert torch.equal(guess_projection(native)(hidden), lm_head(hidden)[:, vocab])
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_under_q8_kernels_the_heads_layers_read_their_weights_rounded_to_q8_blocks(kind):
+    model = gguf_model("llama")
+    heads = random_heads(model, kind=kind)
+    exact = copy.deepcopy(heads)
+    MedusaModel(model, tiny_tokenizer(), heads, kernels="q8")
+    linears = [m for m in heads.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(type(m) is Q8Linear for m in linears)
+    assert all(torch.equal(a, b) for a, b in zip(heads.state_dict().values(), exact.state_dict().values()))
+    for linear in linears:  # GGUF's Q8_0 of the weight: per block of 32, round(w / d) * d, d = amax / 127 in float16
+        blocks = linear.weight.detach().reshape(linear.out_features, -1, 32)
+        d = (blocks.abs().amax(-1, keepdim=True) / 127).half().float()
+        rounded = ((blocks / d).round() * d).flatten(1) + 0.0  # no -0.0: GGUF's code * d + m never gives one
+        assert float((rounded - linear.weight.detach()).abs().max()) <= float(d.max()) / 2
+        assert all(torch.equal(a, b) for a, b in zip(kernels.q8_rounded(linear.weight), q8_pack(*block_codes(rounded))))
+    hidden, lm_head = torch.randn(5, model.config.hidden_size), guess_projection(model)
+    embeds = model.get_input_embeddings()(torch.randint(model.config.vocab_size, (5, heads.config.num_heads)))
+    with torch.no_grad():
+        got = heads(hidden, lm_head, embeds=embeds if kind == "hydra" else None)
+        expected = exact(hidden, lm_head, embeds=embeds if kind == "hydra" else None)
+    assert float((got - expected).norm() / expected.norm()) < Q8_TOLERANCE
+    MedusaModel(model, tiny_tokenizer(), heads, kernels="native")  # the same heads, other kernels: switched afresh
+    assert all(type(m) is NativeLinear and "codes" not in m._buffers for m in linears)
+    MedusaModel(model, tiny_tokenizer(), heads.float(), kernels="q8")  # scales made anew, float16 as the op takes
+    assert all(type(m) is Q8Linear and m.scales.dtype == torch.float16 for m in linears)
+    reset_kernels(heads)
+    assert all(type(m) is torch.nn.Linear for m in linears)
 
 
 def q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:

@@ -228,7 +228,7 @@ def q8_pack(codes: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, to
     weights 0-15 (low) and 16-31 (high). Returns (codes uint8 [G, K / 32, 16 * bytes a block], scales float16
     [G, K / 32, 2, 16]), or None where a scale is not a float16 (a weight GGUF blocks did not give).
 
-    >>> [t.shape for t in q8_pack(torch.zeros(20, 32, dtype=torch.uint8), torch.zeros(20, 2, 2))]
+    >>> [t.shape for t in q8_pack(torch.zeros(20, 64, dtype=torch.uint8), torch.zeros(20, 2, 2))]
     [torch.Size([2, 2, 512]), torch.Size([2, 2, 2, 16])]
     """
     if not torch.equal(scales.half().float(), scales):
@@ -504,14 +504,34 @@ def reset_kernels(module: nn.Module) -> nn.Module:
     return module
 
 
-def native_linears(module: nn.Module) -> list[NativeLinear]:
+def native_linears(module: nn.Module, q8: bool = False) -> list[NativeLinear]:
     """Switches every nn.Linear of `module` (in place) to NativeLinear; returns them. The heads' too where the model's
     are (MedusaModel): a guess needs speed, not MKL's rounding (over one token medusa::linear runs a head's layer
-    several times faster than MKL)."""
+    several times faster than MKL). q8: to Q8Linear where the input is whole blocks, on the weights rounded to Q8_0
+    blocks (`q8_rounded`: a guess needs no more, from a quarter of the bytes); the parameters stay as they are."""
     switched = [m for m in module.modules() if type(m) is nn.Linear]
     for linear in switched:
         linear.__class__ = NativeLinear
+        if q8 and (packed := q8_rounded(linear.weight)) is not None:
+            linear.__class__ = Q8Linear
+            linear.register_buffer("codes", packed[0], persistent=False)
+            linear.register_buffer("scales", packed[1], persistent=False)
     return switched
+
+
+def q8_rounded(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A float weight [N, K] rounded to GGUF's Q8_0 blocks (per block of 32, q = round(w / d), d = amax / 127 in
+    float16), in q8_pack's layout; None where K is not whole blocks.
+
+    >>> [t.shape for t in q8_rounded(torch.randn(20, 64))]
+    [torch.Size([2, 2, 512]), torch.Size([2, 2, 2, 16])]
+    """
+    if weight.dim() != 2 or weight.shape[1] % BLOCK:
+        return None
+    blocks = weight.detach().float().reshape(weight.shape[0], -1, BLOCK)
+    d = (blocks.abs().amax(-1) / 127).half().float()
+    q = torch.where(d[..., None] > 0, blocks / d[..., None], 0).round().clamp(-127, 127)
+    return q8_pack((q + 128).to(torch.uint8).flatten(1), torch.stack([d, -128 * d], -1))
 
 
 def reads_blocks(model: nn.Module) -> bool:

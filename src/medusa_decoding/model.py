@@ -25,8 +25,8 @@ from .decoding import Batch, Row
 from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 from .guard import Ladder
 from .heads import MedusaHeads
-from .kernels import (COMPILED, NativeLinear, cpu_float32, native_available, native_linears, resolve_kernels,
-                      set_guess_vocab, use_kernels)
+from .kernels import (COMPILED, Q8, NativeLinear, cpu_float32, native_available, native_linears, reset_kernels,
+                      resolve_kernels, set_guess_vocab, use_kernels)
 from .tree import Mode, Tree, parse_tree
 
 
@@ -88,14 +88,16 @@ class MedusaModel:
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path,
                                config.num_hidden_layers)
-        self.model, self.tokenizer, self.heads = model.eval(), tokenizer, heads.to(model.device, model.dtype).eval()
+        # heads another MedusaModel switched to its kernels start afresh (q8's scales stay float16: not cast by .to)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.heads = reset_kernels(heads).to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         if kernels == "auto" and cpu_float32(model.device, model.dtype) and native_available():
             kernels = choose_kernels(model, heads, lambda name: MedusaModel(model, tokenizer, heads, kernels=name))
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
         if any(isinstance(m, NativeLinear) for m in model.modules()):
-            native_linears(self.heads)
+            native_linears(self.heads, q8=self.kernels in Q8)
         self.compiled = self.kernels in COMPILED  # decodes on the compiled engine (compiled.py), else eagerly
         tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
         self.trees = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
