@@ -511,9 +511,9 @@ def native_linears(module: nn.Module, q8: bool = False) -> list[NativeLinear]:
     blocks (`q8_rounded`: a guess needs no more, from a quarter of the bytes); the parameters stay as they are."""
     switched = [m for m in module.modules() if type(m) is nn.Linear]
     for linear in switched:
-        linear.__class__ = NativeLinear
-        if q8 and (packed := q8_rounded(linear.weight)) is not None:
-            linear.__class__ = Q8Linear
+        packed = q8_rounded(linear.weight) if q8 else None
+        linear.__class__ = NativeLinear if packed is None else Q8Linear
+        if packed is not None:
             linear.register_buffer("codes", packed[0], persistent=False)
             linear.register_buffer("scales", packed[1], persistent=False)
     return switched
