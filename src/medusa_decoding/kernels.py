@@ -175,10 +175,10 @@ def blocks_linear(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) ->
     return OPS.linear_blocks(x, codes, scales, 8 * codes.shape[1] // x.shape[-1])
 
 
-def recorded(linear: nn.Linear, x: torch.Tensor) -> bool:
-    """Whether autograd records this pass (training a switched model): the medusa ops have no backward, so such a
-    pass takes stock kernels whatever its rows (else its gradients would be silently missing)."""
-    return torch.is_grad_enabled() and (x.requires_grad or linear.weight.requires_grad)
+def recorded(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a pass over `tensors` (training a switched model): the medusa ops have no backward,
+    so such a pass takes stock kernels whatever its rows (else its gradients would be silently missing)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 class NativeLinear(nn.Linear):
@@ -190,7 +190,7 @@ class NativeLinear(nn.Linear):
     dict and save_pretrained are unchanged."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.numel() > MAX_ROWS * x.shape[-1] or recorded(self, x):
+        if x.numel() > MAX_ROWS * x.shape[-1] or recorded(x, self.weight):
             return nn.functional.linear(x, self.weight, self.bias)
         x2 = x.reshape(-1, x.shape[-1])
         # a SmolLM2 step makes 211 of these calls: each attribute read through nn.Module.__getattr__ costs a microsecond
@@ -212,7 +212,7 @@ class Q8Linear(NativeLinear):
     GEMM, and llama.cpp's arithmetic for the prompt as well), except where autograd records (no backward here)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if recorded(self, x):
+        if recorded(x, self.weight):
             return nn.functional.linear(x, self.weight, self.bias)
         out = OPS.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
                                          self.out_features, -1)
@@ -404,8 +404,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     mask, (batch, _, queries, _) = attention_mask, query.shape
     step = (mask is None and queries == 1) or (mask is not None and mask.dtype == query.dtype and mask.dim() == 4
                                                and mask.shape[1] == 1 and queries <= MAX_ROWS)
-    records = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad)
-    if not step or dropout or records or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
+    if not step or dropout or recorded(query, key, value) or not kwargs.keys() <= PLAIN_ATTENTION_KWARGS:
         return grouped_sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     mask = None if mask is None else mask[:, 0].expand(batch, -1, -1)
