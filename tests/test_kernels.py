@@ -453,6 +453,21 @@ def q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bit
 
 
 @needs_native
+def test_q8_activations_round_half_to_even_on_every_path():
+    """A block whose largest value is 127 has d = 1, so its codes are round(x): ties go to the even integer (4.5 ->
+    4, 5.5 -> 6, -2.5 -> -2); 0.5 away from zero would give other outputs. Identity weights read the codes back."""
+    load_native()
+    codes, scales = block_codes(gguf_exact(torch.eye(32), "Q8_0"))  # row j: 127 * d_w at column j
+    packed = q8_pack(codes, scales)
+    ties = torch.arange(-15, 15) + 0.5
+    x = torch.cat([torch.tensor([127.0]), ties, torch.tensor([-126.5])])[None]
+    assert not torch.equal(x.round(), x.sign() * (x.abs() + 0.5).floor())  # the ties tell the two roundings apart
+    expected = (x.round() * 127) * scales[:, 0, 0].float()  # the integer sum times d_w * d_x, rounded once
+    for name in q8_paths():
+        assert torch.equal(kernels.OPS.linear_q8(x, *packed, 32, Q8_PATHS.index(name)), expected), name
+
+
+@needs_native
 @pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 4), ("Q8_0", 8)])
 @pytest.mark.parametrize(("rows", "in_features", "out_features"), [(1, 32, 5), (9, 96, 37), (6, 576, 20), (130, 64, 3)])
 def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qtype, bits, rows, in_features,

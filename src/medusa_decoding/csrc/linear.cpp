@@ -497,19 +497,38 @@ std::vector<std::string> q8_path_names() {
   return names;
 }
 
-// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q. amax
-// lane by lane, then across the lanes (a max is exact in any order): one running max is a chain of 32 dependent
-// instructions, and this runs on one core while the other waits for the linear
+// per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q. A
+// block's scale is a long chain (a max across lanes, two divisions: ~60 cycles) that the rounding waits for, so the
+// scales of a chunk of blocks come first, side by side, then their codes. This runs on one core while the other
+// waits for the linear.
 FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
-  for (int64_t r = 0; r < blocks; r++, x += BLOCK, q += BLOCK) {
-    const float amax = lane_max(max(abs(load16(x)), abs(load16(x + 16))));
-    const float scale = amax / 127, inverse = scale != 0 ? 1 / scale : 0;
-    int32_t sum = 0;
-    for (int j = 0; j < BLOCK; j++) {
-      q[j] = int8_t(std::max(-127.f, std::min(127.f, std::nearbyint(x[j] * inverse))));
-      sum += q[j];
+  constexpr int64_t CHUNK = 64;
+  float inverse[CHUNK];
+  for (int64_t r0 = 0; r0 < blocks; r0 += CHUNK) {
+    const int64_t count = std::min(CHUNK, blocks - r0);
+    for (int64_t r = r0; r < r0 + count; r++) {
+      const float scale = lane_max(max(abs(load16(x + r * BLOCK)), abs(load16(x + r * BLOCK + 16)))) / 127;
+      d[r] = scale, inverse[r - r0] = scale != 0 ? 1 / scale : 0;
     }
-    d[r] = scale, dt[r] = scale * float(sum), x128[r] = 128 * sum;
+    for (int64_t r = r0; r < r0 + count; r++) {
+      I sums{};
+      for (int h = 0; h < 2; h++) {
+        const F16 values = load16(x + r * BLOCK + 16 * h);
+        I n[P];
+        for (int i = 0; i < P; i++) {
+          V v = values.p[i] * inverse[r - r0];
+          v = v < 127.f ? v : 127.f;  // std::min(127, v), then std::max(-127, v): NaN as they take it
+          v = -127.f < v ? v : -127.f;
+          v = (v + 0x1.8p23f) - 0x1.8p23f;  // to the nearest integer, ties to even (nearbyint)
+          n[i] = __builtin_convertvector(v, I);
+          sums += n[i];
+        }
+        store_bytes(q + r * BLOCK + 16 * h, n);
+      }
+      int32_t sum = 0;
+      for (int l = 0; l < W; l++) sum += sums[l];
+      dt[r] = d[r] * float(sum), x128[r] = 128 * sum;
+    }
   }
 }
 

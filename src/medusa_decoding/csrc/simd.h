@@ -184,11 +184,28 @@ inline F16 abs(F16 a) {
   return a;
 }
 
+// the largest lane: lane l against lane l + 8, then l + 4, l + 2, l + 1 (4 steps deep, not a chain of 16)
 inline float lane_max(F16 a) {
-  float buffer[16], top = -INFINITY;
-  store16(buffer, a);
-  for (float x : buffer) top = std::max(top, x);
-  return top;
+  float s[16];
+  store16(s, a);
+  auto fold = [&](int half) {
+    for (int l = 0; l < half; l++) s[l] = s[l + half] > s[l] ? s[l + half] : s[l];
+  };
+  fold(8), fold(4), fold(2), fold(1);
+  return s[0];
+}
+
+// 16 int32 lanes in [-128, 127] stored as bytes
+inline void store_bytes(int8_t* q, const I* v) {
+#if SIMD_W == 16
+  _mm_storeu_si128((__m128i*)q, _mm512_cvtepi32_epi8((__m512i)v[0]));
+#elif SIMD_W == 8  // packs interleave the two 128-bit halves: the permute puts v[0]'s words before v[1]'s
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packs_epi32((__m256i)v[0], (__m256i)v[1]), 0xD8);
+  _mm_storeu_si128((__m128i*)q, _mm_packs_epi16(_mm256_castsi256_si128(words), _mm256_extracti128_si256(words, 1)));
+#else
+  for (int i = 0; i < P; i++)
+    for (int l = 0; l < W; l++) q[i * W + l] = int8_t(v[i][l]);
+#endif
 }
 
 // lanes from `count` on replaced by `fill`
