@@ -604,6 +604,23 @@ def test_native_attention_reads_a_float16_cache_as_the_float32_values_it_holds()
 
 
 @needs_native
+def test_native_ops_over_no_token_give_empty_outputs():
+    """A pass of no query, or of no row, gives an empty output (it once divided by zero: the process died)."""
+    load_native()
+    k = torch.randn(1, 3, 11, 64).half()
+    for rows, tokens in ((1, 0), (0, 4)):
+        out = kernels.OPS.attention(torch.randn(rows, 9, tokens, 64), k[:rows], k[:rows], torch.zeros(rows, tokens, 11),
+                                    0.125)
+        assert out.shape == (rows, tokens, 9, 64)
+    model = use_kernels(gguf_model("llama"), "q8")
+    config, (*weights, eps, scale) = model.config, native_layers.weights(model)[0]
+    cache = [torch.zeros(1, config.num_key_value_heads, 32, 8, dtype=native_layers.CACHE) for _ in range(2)]
+    x, columns = torch.randn(1, 0, config.hidden_size), torch.zeros(1, 0, dtype=torch.long)
+    out = kernels.OPS.layer_q8(x, *weights, *cache, columns, *torch.randn(2, 1, 0, 8), torch.zeros(1, 0, 5), eps, scale)
+    assert out.shape == x.shape
+
+
+@needs_native
 def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
     """A batch of two: row 1's prefix is shorter, the columns between are a hole its mask hides (garbage there, even
     NaN, changes nothing); each row gets bitwise what it gets alone."""

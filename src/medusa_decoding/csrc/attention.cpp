@@ -204,6 +204,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (mask.has_value())
     TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S && m.scalar_type() == at::kFloat,
                 "medusa::attention: float32 mask [B, T, S]");
+  if (B * T * H * D == 0) return at::empty({B, T, H, D}, q.options());  // nothing to attend (the splits below divide)
   at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; bt++) {  // branch-free: a compiled engine's mask spans the cache's capacity
       std::vector<int64_t>& cols = seen[bt];
