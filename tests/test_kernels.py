@@ -605,7 +605,7 @@ def test_native_attention_reads_a_float16_cache_as_the_float32_values_it_holds()
 
 @needs_native
 def test_native_ops_over_no_token_give_empty_outputs():
-    """A pass of no query, or of no row, gives an empty output (it once divided by zero: the process died)."""
+    """A pass of no query, or of no row, gives an empty output, not a division by zero that kills the process."""
     load_native()
     k = torch.randn(1, 3, 11, 64).half()
     for rows, tokens in ((1, 0), (0, 4)):
