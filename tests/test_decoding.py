@@ -20,7 +20,7 @@ from medusa_decoding import MedusaModel, decoding
 from medusa_decoding.base import check_context, context_limit
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.eager import Eager, prefill
+from medusa_decoding.eager import Eager
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import Q8Linear, native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
@@ -203,7 +203,7 @@ def test_commit_matches_the_accepted_tokens_run_in_order(family, path):
     tree = Tree.from_spec(DEFAULT_TREE)
     tokens = torch.randint(0, 96, (tree.num_nodes,), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        cache, _, _ = prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)
+        cache, _, _ = engine_prefill(model, PROMPT, len(PROMPT) + tree.num_nodes)  # a batch's cache: stacked
         verify(model, cache, tokens, tree, len(PROMPT))
         commit(cache, [len(PROMPT)], [path])
         reference = DynamicCache()

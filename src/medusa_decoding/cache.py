@@ -12,10 +12,11 @@ entries (`place`), so a plain step's token is where it stays. After a verificati
 accepted path into place and drops the rest; the columns past a row's entries, up to the longest row's, are a hole
 its attention mask hides (`step_inputs`).
 
-The compiled engine (compiled.py) needs the same shapes every step: its cache is `whole`, attending a fixed window
-of the buffers' columns whatever the width in use (`attend`; the mask hides those not in use), writing each step's
-nodes at a column tensor (`place`) and moving the accepted paths with one gather/scatter (`gather_paths`) over every
-layer's buffers, views of one tensor (`stack`).
+A batch's cache keeps every layer's buffers as views of one tensor (`stack`), so that moving the accepted paths is
+one gather/scatter over all of them (`commit`), not one a buffer. The compiled engine (compiled.py) needs the same
+shapes every step: its cache is `whole`, attending a fixed window of the buffers' columns whatever the width in use
+(`attend`; the mask hides those not in use), writing each step's nodes at a column tensor (`place`) and moving the
+accepted paths in fixed shapes (`gather_paths`).
 """
 
 import torch
@@ -66,7 +67,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def grow(self, slots: int, capacity: int, buffers: tuple | None = None) -> None:
         """Buffers of at least `slots` rows and `capacity` positions, the entries so far copied over; `buffers`: these
-        (keys, values) of that size, a whole cache's views of its stacked tensor (`stack`)."""
+        (keys, values) of that size, a batch cache's views of its stacked tensor (`stack`)."""
         if buffers is None and slots <= self.slots and capacity <= self.capacity and self.slots:
             return
         slots, capacity = max(slots, self.slots), max(capacity, self.capacity)
@@ -104,10 +105,10 @@ def allocate(model: PreTrainedModel, capacity: int, whole: bool = False, dtype: 
 
 
 def stack(cache: Cache, slots: int, capacity: int, like: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """A whole cache's buffers for `slots` rows and `capacity` positions, each layer's (keys, values): views of one
+    """A batch cache's buffers for `slots` rows and `capacity` positions, each layer's (keys, values): views of one
     tensor, `cache.stacked` [layers, 2, slots, kv_heads, capacity, head_dim] (zeros, typed and placed like `like`
-    [B, kv_heads, T, head_dim]), so that a step's path move is one gather/scatter (gather_paths), not one a buffer:
-    60 for SmolLM2, 73 us against 4 on an H200 (benchmarks/gpu_anatomy.py)."""
+    [B, kv_heads, T, head_dim]), so that a step's path move is one gather/scatter (commit, gather_paths), not one a
+    buffer: 60 for SmolLM2, 73 us against 4 on an H200 (benchmarks/gpu_anatomy.py), 490 against 41 on a 2-core CPU."""
     cache.stacked = like.new_zeros((len(cache.layers), 2, slots, like.shape[1], capacity, like.shape[-1]))
     if cache.stacked.is_cuda:  # CUDA graphs replay on these very buffers
         torch._dynamo.mark_static_address(cache.stacked)
@@ -126,19 +127,20 @@ def reserve(cache: Cache, rows: int, columns: int) -> None:
         return
     slots = max(rows, 2 * first.slots if rows > first.slots else 0, first.slots)
     capacity = max(columns, 2 * first.capacity if columns > first.capacity else 0, first.capacity)
-    stacked = stack(cache, slots, capacity, first.keys) if first.whole else [None] * len(cache.layers)
-    for layer, buffers in zip(cache.layers, stacked):
+    for layer, buffers in zip(cache.layers, stack(cache, slots, capacity, first.keys)):
         layer.grow(slots, capacity, buffers)
 
 
 def insert(cache: Cache, row: Cache, capacity: int) -> None:
     """Appends the one-row cache `row` (a prefill) as the last row; `capacity`: the positions that row may need."""
-    rows, length = (cache.layers[0].keys.shape[0] if cache.layers[0].is_initialized else 0), width(row)
-    wide = max(width(cache), length)
-    for layer, new in zip(cache.layers, row.layers):
-        if not layer.is_initialized:
-            layer.capacity = max(layer.capacity, capacity)
-            layer.begin(new.keys, new.values, 1)
+    first, length = cache.layers[0], width(row)
+    rows, wide = first.keys.shape[0] if first.is_initialized else 0, max(width(cache), length)
+    if not first.is_initialized:  # the first row: buffers for it, stacked, typed as the cache stores
+        capacity = max(first.capacity, capacity)
+        like = row.layers[0].keys[:, :, :0].to(first.storage or row.layers[0].keys.dtype)
+        for layer, new, buffers in zip(cache.layers, row.layers, stack(cache, 1, capacity, like)):
+            layer.capacity = capacity
+            layer.begin(new.keys, new.values, 1, buffers)
     reserve(cache, rows + 1, capacity)
     for layer, new in zip(cache.layers, row.layers):
         layer.key_buffer[rows, :, :length], layer.value_buffer[rows, :, :length] = new.keys[0], new.values[0]
@@ -166,9 +168,7 @@ def commit(cache: Cache, lengths: list[int], paths: list[list[int]]) -> None:
              for i, node in enumerate(path) if i != node]
     if moves:
         rows, to, source = (torch.tensor(column, device=cache.layers[0].device) for column in zip(*moves))
-        for layer in cache.layers:
-            for buffer in (layer.key_buffer, layer.value_buffer):  # [slots, heads, capacity, head_dim]
-                buffer[rows, :, to] = buffer[rows, :, source]
+        cache.stacked[:, :, rows, :, to] = cache.stacked[:, :, rows, :, source]  # every layer's keys and values
     settle(cache, lengths, paths)
 
 
@@ -217,9 +217,8 @@ def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> No
 
 def remove(cache: Cache, index: int, wide: int) -> None:
     """Drops row `index` (the last row takes its place) and narrows the cache to `wide` columns."""
+    last = cache.layers[0].keys.shape[0] - 1
+    if index != last:
+        cache.stacked[:, :, index, :, :wide] = cache.stacked[:, :, last, :, :wide]  # every layer's keys and values
     for layer in cache.layers:
-        last = layer.keys.shape[0] - 1
-        for buffer in (layer.key_buffer, layer.value_buffer):
-            if index != last:
-                buffer[index, :, :wide] = buffer[last, :, :wide]
         layer.view(last, wide)
