@@ -339,7 +339,7 @@ struct Avx2 : Lanes8 {
       acc = (I)_mm256_add_epi16((__m256i)acc, _mm256_maddubs_epi16(a, b));
     }
     // each sum in a register as it is added to: else GCC regroups the additions (they are integers), computes every
-    // product of a code vector first and spills 5 of 4 tokens' 8 sums to the stack in the loop
+    // product of a code vector first and spills 4 tokens' sums to the stack
     asm("" : "+x"(acc));
     return acc;
   }
@@ -392,30 +392,25 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
     // behind (past the last group these read beyond the codes: a prefetch never faults)
     for (int v = 0; v < VECTORS; v++) __builtin_prefetch(c + AHEAD * VECTORS * 64 + 64 * v, 0, 0);
     __builtin_prefetch(s + AHEAD * 2 * ROWS, 0, 0);
-    I sums[MT][H] = {};
+    I sums[MT][H];
     // code vector j: its bytes (Q8_0) or low nibbles (Q4_1) weights 4j .. 4j + 3 of each row, Q4_1's high nibbles
-    // weights 16 + 4j .. 16 + 4j + 3
-    auto add_vector = [&](int j) {
-      U v[H];
-      for (int h = 0; h < H; h++) std::memcpy(&v[h], c + 64 * j + sizeof(U) * h, sizeof(U));
+    // weights 16 + 4j .. 16 + 4j + 3. Unrolled whole, each part loading its codes afresh (a load is cheaper than a
+    // register): AVX2's 16 registers then hold 4 tokens' sums for both halves with no spill and no loop counter
+#pragma GCC unroll 8
+    for (int j = 0; j < VECTORS; j++)
+#pragma GCC unroll 2
       for (int part = 0; part < (BITS == 4 ? 2 : 1); part++) {
         U w[H];
-        for (int h = 0; h < H; h++) w[h] = BITS == 8 ? v[h] : part ? v[h] >> 4 : v[h] & 15;
+        for (int h = 0; h < H; h++) {
+          std::memcpy(&w[h], c + 64 * j + sizeof(U) * h, sizeof(U));
+          if (BITS == 4) w[h] = part ? w[h] >> 4 : w[h] & 15;
+        }
         for (int i = 0; i < MT; i++) {
           int32_t x4;
           std::memcpy(&x4, a.xq + (m0 + i) * a.K + b * BLOCK + 16 * part + 4 * j, 4);
-          for (int h = 0; h < H; h++) sums[i][h] = P::dot(sums[i][h], w[h], x4);
+          for (int h = 0; h < H; h++) sums[i][h] = P::dot(j == 0 && part == 0 ? I{} : sums[i][h], w[h], x4);
         }
       }
-    };
-    // AVX2's 16 registers hold 4 tokens' sums for both halves, not also every code vector of a block unrolled: from
-    // 4 tokens the vectors go one at a time
-    if constexpr (P::LANES == 8 && MT >= 4) {
-#pragma GCC unroll 1
-      for (int j = 0; j < VECTORS; j++) add_vector(j);
-    } else {
-      for (int j = 0; j < VECTORS; j++) add_vector(j);
-    }
     for (int h = 0; h < H; h++) {
       const F d = P::widen(s + h * P::LANES), m = P::widen(s + ROWS + h * P::LANES);
       for (int i = 0; i < MT; i++) {
