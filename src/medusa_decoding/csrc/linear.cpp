@@ -394,8 +394,8 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
     __builtin_prefetch(s + AHEAD * 2 * ROWS, 0, 0);
     I sums[MT][H];
     // code vector j: its bytes (Q8_0) or low nibbles (Q4_1) weights 4j .. 4j + 3 of each row, Q4_1's high nibbles
-    // weights 16 + 4j .. 16 + 4j + 3. Unrolled whole, each part loading its codes afresh (a load is cheaper than a
-    // register): AVX2's 16 registers then hold 4 tokens' sums for both halves with no spill and no loop counter
+    // weights 16 + 4j .. 16 + 4j + 3. Unrolled whole, each part loading its codes again (from L1: no register holds
+    // them across parts): AVX2's 16 registers then hold 4 tokens' sums for both halves, with no spill, no loop counter
 #pragma GCC unroll 8
     for (int j = 0; j < VECTORS; j++)
 #pragma GCC unroll 2
