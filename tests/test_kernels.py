@@ -1,14 +1,16 @@
 """The CPU kernels: native linears compute what stock ones do, row by row whatever the batch, keep MEDUSA lossless,
-and switch back; weights dequantized from GGUF blocks are read as those blocks, to the same bits, or with 8-bit
-activations (q8: every instruction path the same bits); native attention gives a tree node what a one-token pass gives
-its token, so a tree pass is bitwise a run of one-token passes (the compiled engine: test_compiled); grouped-query attention
-over a tree reads the keys in place; the heads guess through a copy of the LM head's rows (its GGUF blocks, else
-int8); on q8 kernels a Llama-shaped model's step runs each layer in one native call, as `transformers` runs it; where a
-C++ compiler is, the kernels build (else every test that needs them would skip)."""
+and switch back; weights dequantized from GGUF blocks are read as those blocks (packed side by side from a large
+page), to the same bits, or with 8-bit activations (q8: every instruction path the same bits); native attention gives
+a tree node what a one-token pass gives its token, so a tree pass is bitwise a run of one-token passes (the compiled
+engine: test_compiled); grouped-query attention over a tree reads the keys in place; the heads guess through a copy of
+the LM head's rows (its GGUF blocks, else int8); on q8 kernels a Llama-shaped model's step runs each layer in one
+native call, as `transformers` runs it; where a C++ compiler is, the kernels build (else every test that needs them
+would skip)."""
 
 import copy
 import json
 import math
+import mmap
 import os
 import shutil
 from dataclasses import replace
@@ -24,9 +26,9 @@ from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding import native_layers
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.eager import prefill, step_forward
-from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, MAX_ROWS, Q8_PATHS,
-                                     BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes, compile_error,
-                                     guess_projection, load_native, native_build, q8_pack, reads_blocks,
+from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, LARGE_PAGE, MAX_ROWS,
+                                     Q8_PATHS, BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes,
+                                     compile_error, guess_projection, load_native, native_build, q8_pack, reads_blocks,
                                      reset_kernels, resolve_kernels, set_guess_vocab, stock_kernels,
                                      use_kernels)
 from medusa_decoding.tree import Tree
@@ -129,6 +131,26 @@ def test_a_model_dequantized_from_gguf_runs_on_its_blocks_with_the_same_bits(fam
     for module in linears:
         del module.codes, module.scales
     assert torch.equal(on_blocks, tree_logits(native))  # float32 weights: the very same bits
+
+
+@needs_native
+@pytest.mark.parametrize("kernels_name", ["native", "q8"])
+def test_a_switched_models_blocks_lie_side_by_side_from_a_large_page_as_packed(kernels_name):
+    model = use_kernels(gguf_model("llama"), kernels_name)
+    on_blocks = [m for m in model.modules() if "codes" in m._buffers]
+    blocks = [t for m in on_blocks for t in (m._buffers["codes"], m._buffers["scales"])]
+    starts = sorted({(t.data_ptr(), t.data_ptr() + t.nbytes) for t in blocks})  # the LM head's guess copy shares
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux: one buffer from a 2 MB boundary, each block on its own cache lines
+        assert len({t.untyped_storage().data_ptr() for t in blocks}) == 1 and len(starts) > 8
+        assert starts[0][0] % LARGE_PAGE == 0 and all(start % 64 == 0 for start, _ in starts)
+        assert all(end <= start for (_, end), (start, _) in zip(starts, starts[1:]))
+    else:  # where pages cannot be asked for, the blocks stay where packing left them
+        assert len({t.untyped_storage().data_ptr() for t in blocks}) == len(starts)
+    for module in on_blocks:
+        if hasattr(module, "weight"):  # not the guess copy, which shares the LM head's
+            packed = block_codes(module.weight)
+            packed = q8_pack(*packed) if type(module) is Q8Linear else packed
+            assert torch.equal(module.codes, packed[0]) and torch.equal(module.scales, packed[1])
 
 
 @needs_native
