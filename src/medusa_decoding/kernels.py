@@ -529,7 +529,7 @@ def in_large_pages(modules: list[nn.Module]) -> None:
     """Moves the blocks (`codes`, `scales`) of `modules` in place, side by side, into one buffer that Linux may back
     with 2 MB pages (transparent huge pages, asked for with madvise; elsewhere they stay where they were). A step
     streams every block from memory: in 4 KB pages each page costs a TLB miss and the hardware prefetcher stops at
-    its end (docs/kernels.md: a plain q8 step ~7% longer). The bits stay the same: a copy."""
+    its end (benchmarks/large_pages.py measures what that costs). The bits stay the same: a copy."""
     tensors = [module._buffers[name] for module in modules for name in ("codes", "scales")]
     if not tensors or not hasattr(mmap, "MADV_HUGEPAGE"):
         return
