@@ -94,12 +94,14 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
               "mask [B, T, S]");
   const at::Tensor residual = x.reshape({M, H}), cc = cos.contiguous(), sc = sin.contiguous();
   const at::Tensor cols = columns.contiguous();  // held: data_ptr of a temporary copy would dangle
-  auto linear = [&](const medusa::Q8Activations& in, int i) {
-    return medusa::linear_q8(in, codes[i], scales[i], outs[i], -1);
+  auto linears = [&](const medusa::Q8Activations& in, int first, int count) {  // codes[first : first + count]
+    return medusa::linear_q8(in, codes.slice(first, count), scales.slice(first, count), outs.slice(first, count), -1);
   };
+  auto linear = [&](const medusa::Q8Activations& in, int i) { return linears(in, i, 1)[0]; };
 
   medusa::Q8Activations h = medusa::quantize_q8(rms_norm(residual, input_norm, eps));
-  at::Tensor q = linear(h, 0), k = linear(h, 1), v = linear(h, 2);
+  std::vector<at::Tensor> qkv = linears(h, 0, 3);
+  at::Tensor &q = qkv[0], &k = qkv[1], &v = qkv[2];
   rotate(q, heads, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   rotate(k, Hkv, cc.data_ptr<float>(), sc.data_ptr<float>(), D);
   const int64_t* column = cols.data_ptr<int64_t>();
@@ -116,8 +118,9 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   at::Tensor out = residual + linear(medusa::quantize_q8(attended.view({M, heads * D})), 3);
 
   h = medusa::quantize_q8(rms_norm(out, post_norm, eps));
-  at::Tensor gate = linear(h, 4);
-  silu_times(gate, linear(h, 5));
+  std::vector<at::Tensor> gate_up = linears(h, 4, 2);
+  at::Tensor& gate = gate_up[0];
+  silu_times(gate, gate_up[1]);
   out += linear(medusa::quantize_q8(gate), 6);
   return out.view({B, T, H});
 }

@@ -542,30 +542,42 @@ Q8Activations quantize_q8(const at::Tensor& x) {
   return a;
 }
 
-at::Tensor linear_q8(const Q8Activations& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
-  const int64_t G = codes.size(0), blocks = codes.dim() == 3 ? codes.size(1) : 0, K = blocks * BLOCK;
-  const int64_t bits = codes.dim() == 3 ? codes.size(2) * 8 / (ROWS * BLOCK) : 0;
-  TORCH_CHECK((bits == 4 || bits == 8) && codes.scalar_type() == at::kByte && codes.size(2) == ROWS * BLOCK * bits / 8
-              && (n + ROWS - 1) / ROWS == G, "medusa::linear_q8: uint8 codes [ceil(n / 16), K / 32, 16 * 32 * bits / 8]"
-              ", bits 4 or 8 (kernels.q8_pack)");
-  TORCH_CHECK(dm.scalar_type() == at::kHalf && dm.numel() == G * blocks * 2 * ROWS,
-              "medusa::linear_q8: float16 dm [ceil(n / 16), K / 32, 2, 16]");
-  TORCH_CHECK(x.K == K, "medusa::linear_q8: x [M, K] with K = ", K);
+std::vector<at::Tensor> linear_q8(const Q8Activations& x, at::TensorList codes, at::TensorList dm, at::IntArrayRef n,
+                                  int64_t path) {
+  TORCH_CHECK(codes.size() == dm.size() && codes.size() == n.size(), "medusa::linear_q8: as many codes, dm and n");
   if (path < 0)
     for (int64_t p = 0; p < Q8_PATH_COUNT; p++) path = Q8_PATHS[p].supported() ? p : path;
   TORCH_CHECK(0 <= path && path < Q8_PATH_COUNT && Q8_PATHS[path].supported(), "medusa::linear_q8: path ", path,
               " does not run on this CPU");
-  const at::Tensor cc = codes.contiguous(), dmc = dm.contiguous();
-  at::Tensor y = at::empty({x.M, n}, at::kFloat);
-  const Q8 a{x.q.data(), x.d.data(), x.dt.data(), x.x128.data(), cc.data_ptr<uint8_t>(), dmc.data_ptr<at::Half>(),
-             y.data_ptr<float>(), K, n};
-  const Groups groups = bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8;
-  at::parallel_for(0, G, 1, [&](int64_t begin, int64_t end) { groups(a, x.M, begin, end); });
-  return y;
+  std::vector<at::Tensor> held, ys;  // held: the contiguous codes and dm the threads read
+  std::vector<Q8> args;
+  std::vector<Groups> groups;
+  std::vector<int64_t> first{0};  // linear i's groups are [first[i], first[i + 1]) of them all
+  for (size_t i = 0; i < codes.size(); i++) {
+    const int64_t G = codes[i].size(0), blocks = codes[i].dim() == 3 ? codes[i].size(1) : 0, K = blocks * BLOCK;
+    const int64_t bits = codes[i].dim() == 3 ? codes[i].size(2) * 8 / (ROWS * BLOCK) : 0;
+    TORCH_CHECK((bits == 4 || bits == 8) && codes[i].scalar_type() == at::kByte &&
+                codes[i].size(2) == ROWS * BLOCK * bits / 8 && (n[i] + ROWS - 1) / ROWS == G,
+                "medusa::linear_q8: uint8 codes [ceil(n / 16), K / 32, 16 * 32 * bits / 8], bits 4 or 8 "
+                "(kernels.q8_pack)");
+    TORCH_CHECK(dm[i].scalar_type() == at::kHalf && dm[i].numel() == G * blocks * 2 * ROWS,
+                "medusa::linear_q8: float16 dm [ceil(n / 16), K / 32, 2, 16]");
+    TORCH_CHECK(x.K == K, "medusa::linear_q8: x [M, K] with K = ", K);
+    held.push_back(codes[i].contiguous()), held.push_back(dm[i].contiguous()), ys.push_back(at::empty({x.M, n[i]}));
+    args.push_back(Q8{x.q.data(), x.d.data(), x.dt.data(), x.x128.data(), held[2 * i].data_ptr<uint8_t>(),
+                      held[2 * i + 1].data_ptr<at::Half>(), ys[i].data_ptr<float>(), K, n[i]});
+    groups.push_back(bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8), first.push_back(first[i] + G);
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    for (size_t i = 0; i < args.size(); i++)
+      if (std::max(begin, first[i]) < std::min(end, first[i + 1]))
+        groups[i](args[i], x.M, std::max(begin, first[i]) - first[i], std::min(end, first[i + 1]) - first[i]);
+  });
+  return ys;
 }
 
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path) {
-  return linear_q8(quantize_q8(x), codes, dm, n, path);
+  return linear_q8(quantize_q8(x), {codes}, {dm}, {n}, path)[0];
 }
 
 }  // namespace medusa

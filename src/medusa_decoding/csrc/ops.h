@@ -16,7 +16,9 @@ struct Q8Activations {
   std::vector<int32_t> x128;      // [M, K / 32] 128 * the sum of its codes
 };
 Q8Activations quantize_q8(const at::Tensor& x);
-at::Tensor linear_q8(const Q8Activations& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path);
+// linears that read the same activations (q, k and v; gate and up) in one parallel region, their groups side by side
+std::vector<at::Tensor> linear_q8(const Q8Activations& x, at::TensorList codes, at::TensorList dm, at::IntArrayRef n,
+                                  int64_t path);
 at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t n, int64_t path);
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const c10::optional<at::Tensor>& mask,
                      double scale);
