@@ -30,7 +30,6 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=25)
     parser.add_argument("--kernels", default="q8", choices=("q8", "native"))
     args = parser.parse_args()
-    torch.set_num_threads(min(torch.get_num_threads(), 2))
     medusa = MedusaModel.from_pretrained(tree=None, kernels=args.kernels)
     on_blocks = [m for part in (medusa.model, medusa.heads) for m in part.modules() if "codes" in m._buffers]
     large = [(m._buffers["codes"], m._buffers["scales"]) for m in on_blocks]
