@@ -569,9 +569,10 @@ std::vector<at::Tensor> linear_q8(const Q8Activations& x, at::TensorList codes, 
     groups.push_back(bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8), first.push_back(first[i] + G);
   }
   at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
-    for (size_t i = 0; i < args.size(); i++)
-      if (std::max(begin, first[i]) < std::min(end, first[i + 1]))
-        groups[i](args[i], x.M, std::max(begin, first[i]) - first[i], std::min(end, first[i + 1]) - first[i]);
+    for (size_t i = 0; i < args.size(); i++) {  // the part of [begin, end) that is linear i's
+      const int64_t b = std::max(begin, first[i]), e = std::min(end, first[i + 1]);
+      if (b < e) groups[i](args[i], x.M, b - first[i], e - first[i]);
+    }
   });
   return ys;
 }
