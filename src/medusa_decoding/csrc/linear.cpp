@@ -418,7 +418,8 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
         const int64_t at = (m0 + i) * blocks + b;
         if (BITS == 8 && !P::DIRECT) sums[i][h] -= a.x128[at];
         acc[i][h] = P::fma(__builtin_convertvector(sums[i][h], F), d * a.xd[at], acc[i][h]);
-        if (BITS == 4) acc[i][h] = P::fma(m, F{} + a.xdt[at], acc[i][h]);
+        // xdt - 0 is xdt in every lane, one broadcast from memory (0 + xdt would be an addition: -0 + 0 is +0)
+        if (BITS == 4) acc[i][h] = P::fma(m, a.xdt[at] - F{}, acc[i][h]);
       }
     }
   }
