@@ -494,17 +494,19 @@ std::vector<std::string> q8_path_names() {
 }
 
 // per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q. A
-// block's scale is a long chain (a max across lanes, two divisions: ~60 cycles) that the rounding waits for, so the
-// scales of a chunk of blocks come first, side by side, then their codes. This runs on one core while the other
-// waits for the linear.
+// block's scale is a long chain (a max across lanes, two divisions) that the rounding waits for, so the maxima of a
+// chunk of blocks come first, side by side, then their scales W at a time, then their codes. This runs on one core
+// while the other waits for the linear.
 FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, float* dt, int32_t* x128) {
-  constexpr int64_t CHUNK = 64;
-  float inverse[CHUNK];
+  constexpr int64_t CHUNK = 64;  // a multiple of every W
+  float scale[CHUNK] = {}, inverse[CHUNK];
   for (int64_t r0 = 0; r0 < blocks; r0 += CHUNK) {
     const int64_t count = std::min(CHUNK, blocks - r0);
-    for (int64_t r = r0; r < r0 + count; r++) {
-      const float scale = lane_max(max(abs(load16(x + r * BLOCK)), abs(load16(x + r * BLOCK + 16)))) / 127;
-      d[r] = scale, inverse[r - r0] = scale != 0 ? 1 / scale : 0;
+    for (int64_t r = 0; r < count; r++)
+      scale[r] = lane_max(max(abs(load16(x + (r0 + r) * BLOCK)), abs(load16(x + (r0 + r) * BLOCK + 16))));
+    for (int64_t r = 0; r < count; r += W) {
+      const V s = load(scale + r) / 127;
+      store(scale + r, s), store(inverse + r, s != 0 ? 1 / s : V{});
     }
     for (int64_t r = r0; r < r0 + count; r++) {
       I sums{};
@@ -515,15 +517,14 @@ FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, fl
           V v = values.p[i] * inverse[r - r0];
           v = v < 127.f ? v : 127.f;  // std::min(127, v), then std::max(-127, v): NaN as they take it
           v = -127.f < v ? v : -127.f;
-          v = (v + 0x1.8p23f) - 0x1.8p23f;  // to the nearest integer, ties to even (nearbyint)
-          n[i] = __builtin_convertvector(v, I);
+          n[i] = round_to_int(v);
           sums += n[i];
         }
         store_bytes(q + r * BLOCK + 16 * h, n);
       }
       int32_t sum = 0;
       for (int l = 0; l < W; l++) sum += sums[l];
-      dt[r] = d[r] * float(sum), x128[r] = 128 * sum;
+      d[r] = scale[r - r0], dt[r] = d[r] * float(sum), x128[r] = 128 * sum;
     }
   }
 }

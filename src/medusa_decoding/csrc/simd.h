@@ -184,8 +184,19 @@ inline F16 abs(F16 a) {
   return a;
 }
 
-// the largest lane: lane l against lane l + 8, then l + 4, l + 2, l + 1 (4 steps deep, not a chain of 16)
+// the largest lane: lane l against lane l + 8, then l + 4, l + 2, l + 1 (4 steps deep, not a chain of 16), each
+// step b > a ? b : a, which is x86's max(b, a) (NaNs included)
 inline float lane_max(F16 a) {
+#if SIMD_W >= 8
+#if SIMD_W == 16
+  const __m256 m = _mm256_max_ps(_mm512_extractf32x8_ps((__m512)a.p[0], 1), _mm512_castps512_ps256((__m512)a.p[0]));
+#else
+  const __m256 m = _mm256_max_ps((__m256)a.p[1], (__m256)a.p[0]);
+#endif
+  __m128 h = _mm_max_ps(_mm256_extractf128_ps(m, 1), _mm256_castps256_ps128(m));
+  h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+  return _mm_cvtss_f32(_mm_max_ss(_mm_movehdup_ps(h), h));
+#else
   float s[16];
   store16(s, a);
   auto fold = [&](int half) {
@@ -193,6 +204,18 @@ inline float lane_max(F16 a) {
   };
   fold(8), fold(4), fold(2), fold(1);
   return s[0];
+#endif
+}
+
+// each lane to the nearest integer, ties to even (nearbyint; |a| < 2^22)
+inline I round_to_int(V a) {
+#if SIMD_W == 16
+  return (I)_mm512_cvtps_epi32((__m512)a);  // in the default rounding mode, as the addition below
+#elif SIMD_W == 8
+  return (I)_mm256_cvtps_epi32((__m256)a);
+#else
+  return __builtin_convertvector((a + 0x1.8p23f) - 0x1.8p23f, I);
+#endif
 }
 
 // 16 int32 lanes in [-128, 127] stored as bytes
