@@ -7,7 +7,9 @@ on the baseline build). Every round times every (path, tokens) pass once, in tur
 hits all of them; a pass over T tokens is judged by its ratio to the one-token pass of the same round (the median
 of those paired ratios: a shared machine's speed drifts more from minute to minute than the ratio does). 1 token is
 memory-bound (the weights stream from memory), a tree's few tokens compute-bound: on a CPU a MEDUSA tree pays when
-its pass costs little more than one token's (issue 47 asks the AVX2 path's 4 tokens for <= 1.3x).
+its pass costs little more than one token's (issue 47 asks the AVX2 path's 4 tokens for <= 1.3x). Each call from
+Python also pays what 1 and 4 tokens share (dispatch, quantizing, waking the second thread: ~1.3 ms of a ~3.4 ms
+one-token pass on a 2-core Zen 3), so the ratio reads lower here than for the kernel alone (docs/kernels.md).
 Prints a table, writes JSON and a PNG.   usage: .venv/bin/python benchmarks/q8_linears.py [--out PREFIX] [--rounds N]
 """
 
