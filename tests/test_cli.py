@@ -108,6 +108,8 @@ BAD_INPUTS = {
     "bad tree": (lambda h: ["--tree", "[[0], [0, 0, 0]]"], r"tree: not prefix-closed"),
     "tree deeper than heads": (lambda h: ["--tree", "[1, 1, 1, 1, 1]"], r"tree: depth 5 needs 5 heads"),
     "empty prompt": (lambda h: ["--prompt", ""], r"prompt is empty"),
+    # bytes that are not UTF-8 reach Python's argv as lone surrogates, which no tokenizer takes
+    "prompt not valid text": (lambda h: ["--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], r"not valid Unicode"),
     "prompt too long": (lambda h: ["--prompt", "word " * 9000], r"exceeds the model's context of 8192 tokens"),
     "heads for another model": (lambda h: ["--heads", str(h["tiny"])], r"built for hidden_size=32, vocab_size=96"),
     "corrupt heads": (lambda h: ["--heads", str(h["corrupt"])], r"corrupt"),

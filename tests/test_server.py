@@ -1,6 +1,9 @@
 """`medusa serve` over real HTTP: uvicorn on a free loopback port, the official `openai` client as the caller."""
 
+import contextlib
 import json
+import logging
+import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -12,7 +15,8 @@ import uvicorn
 
 import medusa_decoding.model as model_module
 from medusa_decoding.config import DEFAULT_MODEL
-from medusa_decoding.server import Scheduler, create_app, serving
+from medusa_decoding.config import ServerConfig
+from medusa_decoding.server import MedusaOptions, RequestError, Scheduler, create_app, request_model, serving
 
 MODEL_ID = DEFAULT_MODEL.name
 MAX_TOKENS = 12
@@ -226,6 +230,18 @@ BAD_REQUESTS = {
     ),
     "token id past the vocabulary": ("/v1/completions", {"model": MODEL_ID, "prompt": [1, 10**9]}, 400, "prompt"),
     "empty prompt": ("/v1/completions", {"model": MODEL_ID, "prompt": ""}, 400, "prompt"),
+    # issue 70: each of these was answered (200 or 500) before
+    "tree larger than the server takes": (CHAT, {**GOOD, "medusa": {"tree": [5000, 5000]}}, 400, "medusa.tree"),
+    "lone surrogate in a message": (
+        CHAT, b'{"model": "%s", "messages": [{"role": "user", "content": "Hi \\ud800"}]}' % MODEL_ID.encode(), 400,
+        "messages",
+    ),
+    "lone surrogate in a prompt": (
+        "/v1/completions", b'{"model": "%s", "prompt": "\\udfff there"}' % MODEL_ID.encode(), 400, "prompt",
+    ),
+    "unknown role": (CHAT, {**GOOD, "messages": [{"role": "alien", "content": "Hi"}]}, 400, "messages.0.role"),
+    "tool role (no tools here)": (CHAT, {**GOOD, "messages": [{"role": "tool", "content": "Hi"}]}, 400,
+                                  "messages.0.role"),
 }
 
 
@@ -327,3 +343,90 @@ def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
     cli.main(["serve"])
     assert threads["load"] is not threading.current_thread()
     assert threads["load"].name.startswith("medusa-generate")  # the Scheduler's one worker, which generates too
+
+
+def test_a_tree_past_the_servers_limits_is_refused_before_it_is_built(smollm):
+    for options, limits in [({"tree": [3, 2]}, {"max_tree_nodes": 8}), ({"tree": [[0], [0, 0], [0, 0, 0]]},
+                                                                         {"max_tree_depth": 2})]:
+        assert request_model(smollm, MedusaOptions(**options), ServerConfig()) is not smollm  # within the defaults
+        with pytest.raises(RequestError, match="this server takes trees of at most") as refused:
+            request_model(smollm, MedusaOptions(**options), ServerConfig(**limits))
+        assert refused.value.code == "tree_too_large" and refused.value.param == "medusa.tree"
+
+
+def leave_at_random(url: str, body: dict, seconds: float) -> None:
+    """A client with a short timeout: it reads for `seconds` (a stream's chunks, or nothing), then hangs up."""
+    if not body["stream"]:
+        with contextlib.suppress(httpx.ReadTimeout):
+            httpx.post(f"{url}{CHAT}", json=body, timeout=httpx.Timeout(30, read=seconds))
+        return
+    start = time.monotonic()
+    with contextlib.suppress(httpx.ReadTimeout), httpx.stream("POST", f"{url}{CHAT}", json=body,
+                                                              timeout=httpx.Timeout(30, read=seconds)) as response:
+        for _ in response.iter_lines():
+            if time.monotonic() - start > seconds:
+                break
+
+
+def wait_until_idle(url: str, seconds: float = 10) -> dict:
+    deadline = time.monotonic() + seconds
+    while (state := health(url))["in_flight"]:
+        assert time.monotonic() < deadline, f"requests stayed in flight: {state}"
+        time.sleep(0.02)
+    return state
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_bursts_of_clients_that_leave_never_wedge_the_server(smollm, expected, seed):
+    """Issue 70: more clients than rows, each hanging up at a random moment (queued, admitted, in its prefill, mid-
+    stream, after its answer), twice; then the next request is answered at once and nothing is left in flight."""
+    rng = random.Random(seed)
+    with serving(create_app(smollm, MODEL_ID, Scheduler(max_batch=4, max_queue=16))) as url:
+        for burst in range(3):
+            clients = [({**GOOD, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": 200,
+                         "stream": bool(rng.getrandbits(1))}, rng.uniform(0, 0.5)) for _ in range(12)]
+            with ThreadPoolExecutor(len(clients)) as pool:
+                list(pool.map(lambda client: leave_at_random(url, *client), clients))
+            start = time.monotonic()
+            response = httpx.post(f"{url}{CHAT}", json={**GOOD, "messages": [{"role": "user", "content": PROMPTS[1]}],
+                                                        "max_tokens": MAX_TOKENS}, timeout=10)
+            assert response.status_code == 200 and time.monotonic() - start < 10
+            assert response.json()["choices"][0]["message"]["content"] == expected(PROMPTS[1]).text
+            state = wait_until_idle(url)
+            assert state["status"] == "ok" and state["running"] == state["queued"] == 0 and state["restarts"] == 0
+
+
+def test_a_failure_of_the_loop_is_logged_fails_its_requests_and_the_loop_restarts(smollm, expected, monkeypatch,
+                                                                                  caplog):
+    import medusa_decoding.server as server_module
+
+    def broken(out, step):
+        monkeypatch.undo()  # once
+        raise RuntimeError("a bug in the loop")
+
+    with serving(create_app(smollm, MODEL_ID, Scheduler())) as url:
+        monkeypatch.setattr(server_module, "record", broken)
+        with caplog.at_level(logging.ERROR, logger="medusa_decoding.server"):
+            failed = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
+        assert failed.status_code == 500 and "a bug in the loop" in failed.json()["error"]["message"]
+        assert "the decoding loop failed" in caplog.text and "Traceback" in caplog.text
+        answer = chat(openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=30), PROMPTS[1])
+        assert answer.choices[0].message.content == expected(PROMPTS[1]).text
+        state = wait_until_idle(url)
+        assert state["status"] == "ok" and state["restarts"] == 1
+
+
+def test_health_says_error_once_the_loop_has_stopped(smollm, monkeypatch):
+    """A worker stopped for good (here SystemExit inside a step) fails what it held and what waited, answers every
+    new request 503, and /health turns 503 "error" so that an orchestrator restarts the process."""
+    def stop(*args, **kwargs):
+        raise SystemExit("stopped")
+
+    with serving(create_app(smollm, MODEL_ID, Scheduler())) as url:
+        monkeypatch.setattr(model_module.Requests, "step", stop)
+        failed = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
+        assert failed.status_code == 500 and "the worker stopped" in failed.json()["error"]["message"]
+        state = httpx.get(f"{url}/health")
+        assert state.status_code == 503 and state.json()["status"] == "error" and state.json()["in_flight"] == 0
+        refused = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "worker_stopped"

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from medusa_decoding.config import DEFAULT_TREE
-from medusa_decoding.tree import PAD, Tree, parse_tree
+from medusa_decoding.tree import PAD, Tree, parse_tree, spec_size
 
 # A small tree written out by hand: nodes 1..6 are (0,) (1,) (0,0) (0,1) (1,0) (0,0,0).
 HAND_PATHS = [[1], [0, 0], [0], [0, 1], [1, 0], [0, 0, 0]]  # deliberately out of order
@@ -85,6 +85,16 @@ def test_cartesian_sizes_give_the_product():
     tree = Tree.from_spec([3, 2, 2])
     assert tree.num_nodes == 1 + 3 + 6 + 12 and tree.depth == 3
     assert len(tree.leaf_paths) == 12 and (tree.leaf_paths != PAD).all()
+
+
+@pytest.mark.parametrize("spec", [[3, 2, 2], [1], [[0], [1], [0, 0], [0, 0, 0]], [[0]], []])
+def test_spec_size_counts_what_the_tree_holds_without_building_it(spec):
+    tree = Tree.from_spec(spec)
+    assert spec_size(spec) == (tree.num_nodes - 1, tree.depth)
+
+
+def test_spec_size_of_a_huge_cartesian_tree_is_counted_not_built():
+    assert spec_size([5000, 5000]) == (5000 + 5000**2, 2)
 
 
 def test_empty_spec_is_the_plain_tree():

@@ -196,9 +196,11 @@ def cmd_serve(args) -> None:
 
     from .server import Scheduler, create_app
 
-    scheduler = Scheduler(args.max_batch, args.max_queue)
+    config = ServerConfig(args.host, args.port, args.max_batch, args.max_queue, args.max_tree_nodes, args.max_tree_depth)
+    scheduler = Scheduler(config.max_batch, config.max_queue)
     medusa = scheduler.load(lambda: load(args))  # on the thread that will run it (Scheduler says why)
-    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, scheduler), host=args.host, port=args.port)
+    uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, scheduler, config), host=config.host,
+                port=config.port)
 
 
 def cmd_distill(args) -> None:
@@ -452,6 +454,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-batch", type=int, default=SERVER.max_batch, help="requests decoded together")
     p.add_argument("--max-queue", type=int, default=SERVER.max_queue,
                    help="requests that may wait beyond those; more get a 503")
+    p.add_argument("--max-tree-nodes", type=int, default=SERVER.max_tree_nodes,
+                   help="the most candidates a request's medusa.tree may ask for; larger trees get a 400")
+    p.add_argument("--max-tree-depth", type=int, default=SERVER.max_tree_depth,
+                   help="the deepest tree a request may ask for")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")

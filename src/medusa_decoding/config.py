@@ -219,6 +219,10 @@ class ServerConfig:
     port: int = 8000
     max_batch: int = 8  # requests decoded together (also `MedusaModel.generate` over a list of prompts)
     max_queue: int = 32  # requests waiting for a row beyond those; more are refused (503), not queued without bound
+    # the largest tree a request's `medusa.tree` may ask for, checked before anything is allocated (the calibrated
+    # trees have at most CalibrateConfig.max_nodes candidates); a deeper tree than the heads reach is refused anyway
+    max_tree_nodes: int = 256
+    max_tree_depth: int = 8
 
 
 @dataclass(frozen=True)

@@ -232,10 +232,13 @@ class MedusaModel:
         if messages is not None:
             if not messages or not any(str(m.get("content", "")).strip() for m in messages):
                 raise ValueError("the prompt is empty: messages hold no content")
+            for m in messages:
+                check_text(str(m.get("content", "")))
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: nothing to continue")
+            check_text(prompt)
             ids = self.tokenizer(prompt)["input_ids"]
         elif prompt is not None:
             ids = prompt
@@ -386,6 +389,15 @@ class Requests:
         del self.by_row[row]
         if row in self.batch.rows:
             self.batch.leave(row)
+
+
+def check_text(text: str) -> None:
+    """Text a tokenizer can take: a lone UTF-16 surrogate ("\\ud800" in JSON) is a Python string but no Unicode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(f"the prompt is not valid Unicode text: {error.reason} at character {error.start} "
+                         f"({text[error.start]!r})") from None
 
 
 def check_max_batch(max_batch: int) -> None:

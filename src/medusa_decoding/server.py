@@ -7,7 +7,8 @@ eight users are served by one forward pass a step, not one after another. Up to 
 queueing without bound. Each request's text reaches its HTTP response through an asyncio queue, so the event loop
 never waits on the model (a step's text for every row in one wake-up of the loop). A request is checked (fields,
 tree, prompt length) before it is queued, so a bad one gets an ordinary 400 even when it asked for a stream. A
-client that goes away sets its job's cancel flag: the worker drops its row before the next forward pass.
+client that goes away, at any moment, cancels its job: out of the queue at once, out of the batch before the next
+forward pass. The worker's loop outlives any failure (Scheduler.serve); /health says when it has stopped.
 
 >>> scheduler = Scheduler()
 >>> uvicorn.run(create_app(scheduler.load(MedusaModel.from_pretrained), "SmolLM2-135M-Instruct", scheduler))
@@ -16,13 +17,14 @@ client that goes away sets its job's cancel flag: the worker drops its row befor
 import asyncio
 import contextlib
 import json
+import logging
 import socket
 import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Literal
@@ -36,7 +38,10 @@ from starlette.exceptions import HTTPException
 
 from .base import check_context
 from .config import GenerationConfig, ServerConfig
-from .model import GenerationOutput, MedusaModel, Requests, TextPieces, admit, check_max_batch, record
+from .model import GenerationOutput, MedusaModel, Requests, Step, TextPieces, admit, check_max_batch, record
+from .tree import spec_size
+
+log = logging.getLogger(__name__)
 
 # request field -> GenerationConfig field; the later of two aliases wins
 OPENAI_FIELDS = {
@@ -73,7 +78,7 @@ class TextPart(Strict):
 
 
 class Message(Strict):
-    role: str
+    role: Literal["system", "developer", "user", "assistant"]  # OpenAI's roles but tools' (no tools here)
     content: str | list[TextPart] | None = None
     name: str | None = None
 
@@ -132,10 +137,16 @@ def generation_config(body: CommonRequest) -> GenerationConfig:
         raise RequestError(str(error), next((p for n, p in sources.items() if str(error).startswith(n)), None)) from None
 
 
-def request_model(medusa: MedusaModel, options: MedusaOptions | None) -> MedusaModel:
-    """The served model, or a view of it (same weights) with the request's own tree, checked against the heads."""
+def request_model(medusa: MedusaModel, options: MedusaOptions | None, config: ServerConfig) -> MedusaModel:
+    """The served model, or a view of it (same weights) with the request's own tree, checked against the server's
+    limits before it is built, then against the heads."""
     if options is None or options.tree is None:
         return medusa
+    nodes, depth = spec_size(options.tree)
+    if nodes > config.max_tree_nodes or depth > config.max_tree_depth:
+        raise RequestError(f"medusa.tree: {nodes} candidates, {depth} deep; this server takes trees of at most "
+                           f"{config.max_tree_nodes} candidates and depth {config.max_tree_depth}", "medusa.tree",
+                           "tree_too_large")
     try:
         return medusa.with_heads(medusa.heads, options.tree)
     except ValueError as error:
@@ -163,8 +174,9 @@ def prompt_ids(medusa: MedusaModel, body: CommonRequest, config: GenerationConfi
 
 
 def chat_message(message: Message) -> dict:
+    """A message as the chat template takes it; OpenAI's "developer" is the "system" of models trained before it."""
     content = message.content if not isinstance(message.content, list) else "".join(p.text for p in message.content)
-    return {"role": message.role, "content": content or ""}
+    return {"role": "system" if message.role == "developer" else message.role, "content": content or ""}
 
 
 # ---- the worker ----
@@ -176,7 +188,7 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled" (the client left)
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: a queued job is found and removed as itself
 class Job:
     """One request on its way through the worker: inputs, a queue of events out, a cancel flag in."""
 
@@ -198,41 +210,69 @@ class Scheduler:
     """The one worker thread that touches the model and runs the batch, and the queue of requests waiting for a row
     of it. Counters feed /health.
 
-    Load the model on it too (`load`): torch's OpenMP (libgomp) keeps a pool of workers for every thread that has
-    run parallel work, and once those outnumber the cores every pool stops spin-waiting, so a model loaded on
-    the main thread and run on this one decodes markedly slower.
+    Load the model on it too (`load`, before `start`): torch's OpenMP (libgomp) keeps a pool of workers for every
+    thread that has run parallel work, and once those outnumber the cores every pool stops spin-waiting, so a model
+    loaded on the main thread and run on this one decodes markedly slower.
+
+    A request is queued (`waiting`), then held (`held`: admitted to the batch) until its last event; a client that
+    leaves takes its job out of the queue at once, or out of the batch before the next forward pass. Whatever fails
+    ends the requests it touched with the error, and the loop goes on; a failure of the loop itself is logged and
+    the loop restarts.
     """
 
     def __init__(self, max_batch: int = ServerConfig.max_batch, max_queue: int = ServerConfig.max_queue):
         if not isinstance(max_queue, int) or max_queue < 0:
             raise ValueError(f"max_queue must be a non-negative integer, got {max_queue!r}")
+        check_max_batch(max_batch)  # before the first request
         self.max_batch, self.max_queue = max_batch, max_queue
         self.lock = threading.Condition()
         self.waiting: deque[Job] = deque()  # guarded by lock
-        check_max_batch(max_batch)  # before the first request
+        self.held: dict[int, Job] = {}  # by id(job); changed by the worker under lock, read by /health under it
+        self.batch: Requests | None = None  # the worker's
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-generate")
-        self.running = 0  # rows in the batch, by the worker
-        self.started = self.closed = False
-        self.submitted = self.rejected = 0  # by the event loop
-        self.finished = self.cancelled = self.forward_passes = self.row_steps = self.candidates = 0  # by the worker
+        self.loop: Future | None = None  # the worker's loop, once started
+        self.closed = False
+        self.rejected = self.cancelled = self.restarts = 0
+        self.forward_passes = self.row_steps = self.candidates = 0  # by the worker
         self.outbox: list[tuple[Job, object]] = []  # the worker's events for the jobs' queues, sent once a step
 
     def load(self, load: Callable[[], MedusaModel]) -> MedusaModel:
         return self.worker.submit(load).result()
 
+    def start(self) -> None:
+        """Starts the worker's loop (once; after `load`, which would wait behind it)."""
+        with self.lock:
+            if self.loop is None and not self.closed:
+                self.loop = self.worker.submit(self.serve)
+
+    def alive(self) -> bool:
+        """The worker's loop is running: requests will be served."""
+        return self.loop is not None and not self.loop.done() and not self.closed
+
     def submit(self, job: Job) -> None:
         """Queues a job for the next step, or refuses it (503) when max_queue jobs wait already."""
         with self.lock:
-            if len(self.waiting) >= self.max_queue + max(self.max_batch - self.running, 0):
+            if not self.alive():
                 self.rejected += 1
-                raise RequestError(f"the server is busy: {self.running} requests running and {len(self.waiting)} "
+                raise RequestError("the server cannot decode: its worker is not running", code="worker_stopped",
+                                   status=503, kind="server_error")
+            if len(self.waiting) >= self.max_queue + max(self.max_batch - len(self.held), 0):
+                self.rejected += 1
+                raise RequestError(f"the server is busy: {len(self.held)} requests running and {len(self.waiting)} "
                                    "waiting; try again later", code="server_busy", status=503, kind="server_error")
             self.waiting.append(job)
-            self.submitted += 1
-            if not self.started:
-                self.started = True
-                self.worker.submit(self.serve)
             self.lock.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Its client left: a queued job leaves the queue now, a running one the batch before the next forward pass,
+        an ended one stays as it was."""
+        job.cancelled.set()
+        with self.lock:
+            if job not in self.waiting:
+                return
+            self.waiting.remove(job)
+            self.cancelled += 1
+        job.events.put_nowait(Finished(job.out, "cancelled"))  # on the event loop: ends the request's coroutine
 
     def close(self) -> None:
         with self.lock:
@@ -240,74 +280,109 @@ class Scheduler:
             self.lock.notify()
         self.worker.shutdown(wait=False, cancel_futures=True)
 
+    def counts(self) -> dict:
+        """What /health reports, read at one moment: in_flight is always running + queued."""
+        with self.lock:
+            running, queued = len(self.held), len(self.waiting)
+            return {"in_flight": running + queued, "running": running, "queued": queued, "rejected": self.rejected,
+                    "cancelled": self.cancelled, "restarts": self.restarts,
+                    "forward_passes": self.forward_passes,  # prefills and steps
+                    "row_steps": self.row_steps,  # rows in each step, summed
+                    "candidates": self.candidates}  # candidates the rows verified, summed
+
     def serve(self) -> None:
-        """The worker's loop: admit what waits, drop what was cancelled, one forward pass for every row."""
-        running: Requests | None = None
-        jobs: dict[int, Job] = {}  # the batch's rows, by id(job)
+        """The worker's loop until the scheduler closes. A failure outside any one request (a bug) is logged with its
+        traceback and ends the requests held with that error; then the loop starts again with an empty batch. What
+        stops the thread itself (SystemExit) fails every request, queued ones too, and leaves /health at "error"."""
+        while True:
+            try:
+                return self.run()
+            except BaseException as error:
+                log.exception("the decoding loop failed; its %d requests end with the error", len(self.held))
+                failure = error if isinstance(error, Exception) else RuntimeError(f"the worker stopped: {error!r}")
+                self.batch = None
+                for job in list(self.held.values()):
+                    self.end(job, failure)
+                if failure is not error:  # never raised on the event loop: it would stop the server
+                    with self.lock:
+                        self.closed = True  # nothing more is queued
+                        self.outbox += [(job, failure) for job in self.waiting]
+                        self.waiting.clear()
+                    self.send()
+                    raise
+                with self.lock:
+                    self.restarts += 1
+
+    def run(self) -> None:
+        """Admit what waits, drop what was cancelled, one forward pass for every row; returns once closed."""
         while True:
             self.send()
             with self.lock:
-                while not self.waiting and not jobs and not self.closed:
+                while not self.waiting and not self.held and not self.closed:
                     self.lock.wait()
                 if self.closed:
                     return
-                admitted = admit(self.waiting, len(jobs), self.max_batch)
-                self.running = len(jobs) + len(admitted)
-            events = []
+                admitted = admit(self.waiting, len(self.held), self.max_batch)
+                self.held |= {id(job): job for job in admitted}
             for job in admitted:
-                if job.cancelled.is_set():  # its client left while it waited: never run
-                    self.end(job, Finished(job.out, "cancelled"))
-                    continue
-                running = running or Requests(job.model)  # every job's model holds the same weights
-                try:
-                    job.start = time.perf_counter()
-                    events += running.add(id(job), job.ids, job.config, job.model)
-                    jobs[id(job)] = job
-                    self.forward_passes += 1
-                except Exception as error:  # reported to its client; the other rows run on
-                    self.end(job, error)
-            for key in [key for key, job in jobs.items() if job.cancelled.is_set()]:
-                running.drop(key)
-                job = jobs.pop(key)
+                self.prefill(job)
+            for job in [job for job in self.held.values() if job.cancelled.is_set()]:
+                self.batch.drop(id(job))
                 self.end(job, Finished(job.out, "cancelled"))
-            try:
-                stepped = running.step() if jobs else []
-            except Exception as error:  # a failed pass fails its rows (their cache is half written); the worker serves on
-                for job in jobs.values():
-                    self.end(job, error)
-                jobs.clear()
-                running = None
+            if not self.held:
                 continue
-            self.forward_passes += 1 if jobs else 0
+            try:
+                stepped = self.batch.step()
+            except Exception as error:  # a failed pass fails its rows (their cache is half written); the worker serves on
+                self.batch = None
+                for job in list(self.held.values()):
+                    self.end(job, error)
+                continue
+            self.forward_passes += 1
             self.row_steps += len(stepped)  # with candidates: the batch's size and the trees its rows verified
             self.candidates += sum(step.tree_size for _, step in stepped)
-            for key, step in events + stepped:
-                job = jobs.pop(key) if step.done else jobs[key]
-                record(job.out, step)
-                if piece := job.pieces.add(step.text, step.done):
-                    self.outbox.append((job, piece))
-                if step.done:
-                    job.out.seconds = time.perf_counter() - job.start
-                    self.end(job, Finished(job.out, step.finish))
-            self.running = len(jobs)
+            for key, step in stepped:
+                self.deliver(self.held[key], step)
+
+    def prefill(self, job: Job) -> None:
+        """An admitted job joins the batch (its prefill gives its first token), unless its client left already."""
+        if job.cancelled.is_set():  # its client left while it was admitted: never run
+            return self.end(job, Finished(job.out, "cancelled"))
+        self.batch = self.batch or Requests(job.model)  # every job's model holds the same weights
+        try:
+            job.start = time.perf_counter()
+            (_, step), = self.batch.add(id(job), job.ids, job.config, job.model)
+        except Exception as error:  # reported to its client; the other rows run on
+            return self.end(job, error)
+        self.forward_passes += 1
+        self.deliver(job, step)
+
+    def deliver(self, job: Job, step: Step) -> None:
+        """A step's text for its job; its end, if it was the last."""
+        record(job.out, step)
+        if piece := job.pieces.add(step.text, step.done):
+            self.outbox.append((job, piece))
+        if step.done:
+            job.out.seconds = time.perf_counter() - job.start
+            self.end(job, Finished(job.out, step.finish))
+
+    def end(self, job: Job, event: "Finished | Exception") -> None:
+        """The held job's last event: it leaves the counts at the same moment."""
+        with self.lock:
+            del self.held[id(job)]
+            self.cancelled += isinstance(event, Finished) and event.finish_reason == "cancelled"
+        self.outbox.append((job, event))
 
     def send(self) -> None:
-        """The outbox to the jobs' queues, in order: one wake-up of each event loop a step, not one per row."""
+        """The outbox to the jobs' queues, in order: one wake-up of each event loop a step, not one per row. A loop
+        that has closed has no client left to tell."""
         loops: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         for job, event in self.outbox:
             loops.setdefault(job.loop, []).append((job.events, event))
-        for loop, events in loops.items():
-            loop.call_soon_threadsafe(put_all, events)
         self.outbox = []
-
-    def end(self, job: Job, event: "Finished | Exception") -> None:
-        self.outbox.append((job, event))
-        self.finished += 1
-        self.cancelled += isinstance(event, Finished) and event.finish_reason == "cancelled"
-
-    def in_flight(self) -> int:
-        """Requests running or waiting."""
-        return self.submitted - self.finished
+        for loop, events in loops.items():
+            with contextlib.suppress(RuntimeError):  # "Event loop is closed"
+                loop.call_soon_threadsafe(put_all, events)
 
 
 def put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
@@ -315,9 +390,8 @@ def put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(event)
 
 
-async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished]:
-    """Yields the queued job's text pieces, then its Finished; cancels it if the client leaves."""
-    watcher = asyncio.create_task(cancel_on_disconnect(request, job))
+async def job_events(job: Job, scheduler: Scheduler, watcher: asyncio.Task) -> AsyncIterator[str | Finished]:
+    """Yields the queued job's text pieces, then its Finished; cancels it if the consumer stops early."""
     try:
         while not isinstance(event := await job.events.get(), Finished):
             if isinstance(event, Exception):
@@ -325,14 +399,16 @@ async def job_events(job: Job, request: Request) -> AsyncIterator[str | Finished
             yield event
         yield event
     finally:
-        job.cancelled.set()
         watcher.cancel()
+        scheduler.cancel(job)
 
 
-async def cancel_on_disconnect(request: Request, job: Job) -> None:
+async def cancel_on_disconnect(request: Request, job: Job, scheduler: Scheduler) -> None:
+    """Watches the request's connection from the moment its job is queued: a client may leave before any response
+    starts (and a stream that never starts never closes)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
-    job.cancelled.set()
+    scheduler.cancel(job)
 
 
 # ---- response shapes ----
@@ -377,18 +453,20 @@ def sse(payload) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload)}\n\n"
 
 
-def prepare(medusa: MedusaModel, body: CommonRequest) -> tuple[MedusaModel, torch.Tensor, GenerationConfig]:
+def prepare(medusa: MedusaModel, body: CommonRequest, limits: ServerConfig
+            ) -> tuple[MedusaModel, torch.Tensor, GenerationConfig]:
     """Every check a request gets before it is queued (raises RequestError)."""
     config = generation_config(body)
-    return request_model(medusa, body.medusa), prompt_ids(medusa, body, config), config
+    return request_model(medusa, body.medusa, limits), prompt_ids(medusa, body, config), config
 
 
-async def answer(scheduler: Scheduler, medusa: MedusaModel, endpoint: Endpoint, body: CommonRequest, request: Request):
-    model, ids, config = await asyncio.to_thread(prepare, medusa, body)  # tokenizing is not free
+async def answer(scheduler: Scheduler, medusa: MedusaModel, limits: ServerConfig, endpoint: Endpoint,
+                 body: CommonRequest, request: Request):
+    model, ids, config = await asyncio.to_thread(prepare, medusa, body, limits)  # tokenizing is not free
     job = Job(model, ids, config, asyncio.get_running_loop())
     head = {"id": endpoint.id_prefix + uuid.uuid4().hex, "created": int(time.time()), "model": body.model}
     scheduler.submit(job)  # before any response starts: a full queue is an ordinary 503
-    events = job_events(job, request)
+    events = job_events(job, scheduler, asyncio.create_task(cancel_on_disconnect(request, job, scheduler)))
     if body.stream:
         return StreamingResponse(stream(endpoint, head, ids.numel(), events), media_type="text/event-stream")
     pieces = [event async for event in events]
@@ -423,13 +501,15 @@ async def stream(endpoint: Endpoint, head: dict, prompt_tokens: int, events) -> 
 # ---- the app ----
 
 
-def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None = None) -> FastAPI:
+def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None = None,
+               config: ServerConfig = ServerConfig()) -> FastAPI:
     """The ASGI app serving `medusa` under the name `model_id` (requests must name it), on `scheduler` (the one that
-    loaded it, for speed) or a new one."""
+    loaded it, for speed) or a new one; `config`: the limits a request must keep."""
     scheduler = scheduler or Scheduler()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        scheduler.start()
         yield
         scheduler.close()
 
@@ -445,12 +525,12 @@ def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None =
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
-        return await answer(scheduler, medusa, CHAT, body, request)
+        return await answer(scheduler, medusa, config, CHAT, body, request)
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
-        return await answer(scheduler, medusa, COMPLETION, body, request)
+        return await answer(scheduler, medusa, config, COMPLETION, body, request)
 
     @app.get("/v1/models")
     async def models():
@@ -458,18 +538,10 @@ def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None =
 
     @app.get("/health")
     async def health():
-        return {
-            "status": "ok",
-            "model": model_id,
-            "in_flight": scheduler.in_flight(),
-            "running": scheduler.running,
-            "queued": len(scheduler.waiting),
-            "rejected": scheduler.rejected,
-            "cancelled": scheduler.cancelled,
-            "forward_passes": scheduler.forward_passes,  # prefills and steps
-            "row_steps": scheduler.row_steps,  # rows in each step, summed
-            "candidates": scheduler.candidates,  # candidates the rows verified, summed
-        }
+        """503 with "status": "error" once the worker's loop has stopped: an orchestrator should restart the process."""
+        alive = scheduler.alive()
+        body = {"status": "ok" if alive else "error", "model": model_id, **scheduler.counts()}
+        return JSONResponse(body, status_code=200 if alive else 503)
 
     @app.exception_handler(RequestError)
     async def request_error(request: Request, error: RequestError):
@@ -517,3 +589,5 @@ def serving(app: FastAPI, host: str = "127.0.0.1"):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+        if thread.is_alive():  # uvicorn waits for every response to end: one never did
+            raise RuntimeError("the server did not stop within 30 s: a request never ended")

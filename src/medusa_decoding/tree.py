@@ -77,6 +77,21 @@ class Tree:
             raise ValueError(f"tree: rank {self.topk_per_head() - 1} needs a top-{self.topk_per_head()}, but the vocabulary has {vocab_size} tokens")
 
 
+def spec_size(spec) -> tuple[int, int]:
+    """(candidates, depth) of a tree given as Cartesian sizes or paths, counted without building it: a limit checked
+    before anything is allocated ([5000, 5000] is 25 million candidates). Malformed specs count as they are; building
+    them says what is wrong."""
+    if isinstance(spec, (list, tuple)) and all(isinstance(s, int) for s in spec):
+        nodes, width = 0, 1
+        for size in spec:
+            width *= max(size, 0)
+            nodes += width
+        return nodes, len(spec)
+    if isinstance(spec, (list, tuple)):
+        return len(spec), max((len(p) for p in spec if isinstance(p, (list, tuple))), default=0)
+    return 0, 0
+
+
 class Mode(NamedTuple):
     """A tree picked once the heads' calibration is read: "auto" (the trees fitted to this device, among which a guard
     picks each step) or "confident" (each step's likeliest candidates: `size` of them, else auto's sizes)."""
