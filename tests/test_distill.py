@@ -6,10 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import tiny_tokenizer
-from engine_helpers import greedy_reference, lively_model
+from engine_helpers import greedy_reference, lively_model, random_heads
 
 from medusa_decoding.cli import main
 from medusa_decoding.config import DistillConfig
+from medusa_decoding.model import MedusaModel
 from medusa_decoding.training.data import Prompt, read_prompts
 from medusa_decoding.training import distill as distill_module
 from medusa_decoding.training.distill import completed_ids, distill
@@ -28,6 +29,12 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def model(tokenizer):
     return lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+
+
+@pytest.fixture(scope="module")
+def medusa(model, tokenizer):
+    """The engine that distills: plain steps of the model (its heads are not asked)."""
+    return MedusaModel(model, tokenizer, random_heads(model), kernels="auto")
 
 
 def lines(path: Path) -> list[dict]:
@@ -74,9 +81,9 @@ def test_bad_input_is_rejected_by_name(tmp_path, text, error):
         read_prompts(path)
 
 
-def test_each_user_turn_follows_the_models_own_answer(model, tokenizer, tmp_path):
+def test_each_user_turn_follows_the_models_own_answer(medusa, model, tokenizer, tmp_path):
     out = tmp_path / "out.jsonl"
-    distill(model, tokenizer, [Prompt("q", ("w3 w4", "w5"))], out, GREEDY, progress=False)
+    distill(medusa, [Prompt("q", ("w3 w4", "w5"))], out, GREEDY, progress=False)
     [record] = lines(out)
     assert record["id"] == "q"
     assert [m["from"] for m in record["conversations"]] == ["human", "gpt", "human", "gpt"]
@@ -92,27 +99,40 @@ def test_each_user_turn_follows_the_models_own_answer(model, tokenizer, tmp_path
         chat.append({"role": "assistant", "content": expected})
 
 
-def test_left_padded_batches_answer_as_one_prompt_at_a_time(model, tokenizer, tmp_path):
-    distill(model, tokenizer, PROMPTS, tmp_path / "batched.jsonl", GREEDY, progress=False)
-    single = DistillConfig(**{**GREEDY.__dict__, "batch_size": 1})
-    distill(model, tokenizer, PROMPTS, tmp_path / "single.jsonl", single, progress=False)
+@pytest.mark.parametrize("config", [GREEDY, DistillConfig(max_new_tokens=6, temperature=0.8, batch_size=3)],
+                         ids=["greedy", "sampled"])
+def test_batched_turns_answer_as_one_prompt_at_a_time(medusa, tmp_path, config):
+    """Every turn samples from its own seed: a batch, a second turn joining it, change no answer."""
+    prompts = PROMPTS + [Prompt("two", ("w3 w4", "w5"))]
+    distill(medusa, prompts, tmp_path / "batched.jsonl", config, progress=False)
+    single = DistillConfig(**{**config.__dict__, "batch_size": 1})
+    distill(medusa, prompts, tmp_path / "single.jsonl", single, progress=False)
     batched = {r["id"]: r for r in lines(tmp_path / "batched.jsonl")}
-    assert batched == {r["id"]: r for r in lines(tmp_path / "single.jsonl")} and len(batched) == len(PROMPTS)
+    assert batched == {r["id"]: r for r in lines(tmp_path / "single.jsonl")} and len(batched) == len(prompts)
     assert len({r["conversations"][1]["value"] for r in batched.values()}) > 1  # not one answer for all
 
 
-def test_a_killed_run_resumes_without_duplicates_or_partial_lines(model, tokenizer, tmp_path):
+def test_a_conversation_past_the_context_is_skipped_or_cut_before_the_turn_that_does_not_fit(medusa, tmp_path):
+    long = " ".join(["w9"] * 1100)  # the tiny model's context is 1024 positions
     out = tmp_path / "out.jsonl"
-    assert distill(model, tokenizer, PROMPTS[:3], out, GREEDY, progress=False).records == 3
+    stats = distill(medusa, [Prompt("long", (long,)), Prompt("cut", ("w1", long)), PROMPTS[0]], out, GREEDY,
+                    progress=False)
+    assert stats.skipped == 1 and stats.records == 2
+    assert {r["id"]: len(r["conversations"]) for r in lines(out)} == {"cut": 2, "p0": 2}
+
+
+def test_a_killed_run_resumes_without_duplicates_or_partial_lines(medusa, tmp_path):
+    out = tmp_path / "out.jsonl"
+    assert distill(medusa, PROMPTS[:3], out, GREEDY, progress=False).records == 3
     before = out.read_bytes()
     with open(out, "a") as file:  # killed while writing the 4th record
         file.write(json.dumps({"id": "p3", "conversations": []})[:15])
     assert completed_ids(out) == {"p0", "p1", "p2"} and out.read_bytes() == before
-    stats = distill(model, tokenizer, PROMPTS, out, GREEDY, progress=False)
+    stats = distill(medusa, PROMPTS, out, GREEDY, progress=False)
     assert stats.records == 2 and stats.tokens > 0
     assert out.read_bytes().startswith(before)
     assert sorted(r["id"] for r in lines(out)) == [p.id for p in PROMPTS]
-    assert distill(model, tokenizer, PROMPTS, out, GREEDY, progress=False).records == 0  # all done
+    assert distill(medusa, PROMPTS, out, GREEDY, progress=False).records == 0  # all done
 
 
 def test_cli_distills_with_sampling_and_resumes(model, tokenizer, tmp_path):
@@ -122,7 +142,7 @@ def test_cli_distills_with_sampling_and_resumes(model, tokenizer, tmp_path):
     args = ["distill", "--input", str(seeds), "--model", str(tmp_path / "model"), "--max-new-tokens", "4",
             "--batch-size", "2", "--temperature", "0.7"]
     main([*args, "--output", str(tmp_path / "a.jsonl"), "--limit", "2"])
-    assert [r["id"] for r in lines(tmp_path / "a.jsonl")] == ["p1", "p0"]  # longest first
+    assert sorted(r["id"] for r in lines(tmp_path / "a.jsonl")) == ["p0", "p1"]
     main([*args, "--output", str(tmp_path / "a.jsonl"), "--limit", "4"])
     assert sorted(r["id"] for r in lines(tmp_path / "a.jsonl")) == ["p0", "p1", "p2", "p3"]
     main([*args, "--output", str(tmp_path / "b.jsonl"), "--limit", "4"])  # same seed, same samples
@@ -136,8 +156,8 @@ def test_cli_distills_in_bfloat16_when_asked(model, tokenizer, tmp_path, monkeyp
     tokenizer.save_pretrained(tmp_path / "model")
     seeds = write_jsonl(tmp_path / "seeds.jsonl", [{"id": p.id, "prompt": p.turns[0]} for p in PROMPTS])
     dtypes, real = [], distill_module.distill
-    monkeypatch.setattr(distill_module, "distill", lambda m, *a, **k: dtypes.append(m.dtype) or real(m, *a, **k))
-    for flag in ([], ["--bf16"]):
+    monkeypatch.setattr(distill_module, "distill", lambda m, *a, **k: dtypes.append(m.model.dtype) or real(m, *a, **k))
+    for flag in ([], ["--dtype", "bfloat16"]):
         main(["distill", "--input", str(seeds), "--model", str(tmp_path / "model"), "--max-new-tokens", "4",
               "--output", str(tmp_path / f"out{len(flag)}.jsonl"), "--limit", "2", *flag])
         assert len(lines(tmp_path / f"out{len(flag)}.jsonl")) == 2

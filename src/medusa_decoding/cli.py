@@ -204,9 +204,6 @@ def cmd_serve(args) -> None:
 
 
 def cmd_distill(args) -> None:
-    import torch
-
-    from .base import load_base
     from .training.data import read_prompts
     from .training.distill import distill
 
@@ -215,10 +212,9 @@ def cmd_distill(args) -> None:
     config = DistillConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            batch_size=args.batch_size, seed=args.seed)
     prompts = read_prompts(args.input)[: args.limit]
-    dtype = torch.bfloat16 if args.bf16 else None
-    model, tokenizer = load_base(args.model, dtype, device="cuda" if torch.cuda.is_available() else None)
-    stats = distill(model, tokenizer, prompts, args.output, config)
-    print(f"distill: {stats.records} new conversations, {stats.tokens} answer tokens in {stats.seconds:.1f} s "
+    stats = distill(load(args), prompts, args.output, config)
+    skipped = f", {stats.skipped} skipped (past the context)" if stats.skipped else ""
+    print(f"distill: {stats.records} new conversations{skipped}, {stats.tokens} answer tokens in {stats.seconds:.1f} s "
           f"({stats.tokens_per_s:.1f} tokens/s) -> {args.output}", file=sys.stderr)
 
 
@@ -463,15 +459,13 @@ def main(argv=None) -> None:
     p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")
     p.add_argument("--input", required=True, help="prompts: seed {id, prompt}, ShareGPT or MT-Bench JSON/JSONL")
     p.add_argument("--output", required=True, help="JSONL to append to; ids already there are skipped (resume)")
-    add_model_arguments(p, heads=False, kernels=False)
+    add_model_arguments(p, heads=False)
     p.add_argument("--max-new-tokens", type=int, default=DISTILL.max_new_tokens)
     p.add_argument("--temperature", type=float, default=DISTILL.temperature)
-    p.add_argument("--batch-size", type=int, default=DISTILL.batch_size)
+    p.add_argument("--batch-size", type=int, default=DISTILL.batch_size, help="turns decoded together")
     p.add_argument("--limit", type=int, help="only the first N input records")
     p.add_argument("--seed", type=int, default=DISTILL.seed)
-    p.add_argument("--bf16", action="store_true", help="the model in bfloat16: on a GPU, or a CPU with AMX, "
-                   "batched answers come several times faster (the data is sampled anyway)")
-    p.set_defaults(run=cmd_distill)
+    p.set_defaults(run=cmd_distill, heads=None, tree=None)
 
     p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")
     p.add_argument("--data", required=True, nargs="+", help=DATA_HELP)

@@ -95,7 +95,8 @@ class DistillConfig:
 
     max_new_tokens: int = 512
     temperature: float = 0.3  # the MEDUSA paper's: sampled, so answers cover what the model may say
-    batch_size: int = 8
+    # turns decoded together: SmolLM2 on 2 cores (q8) gave 165 answer tokens/s at 8 rows, 351 at 32, 320 at 64
+    batch_size: int = 32
     seed: int = 0
 
     def __post_init__(self):
