@@ -121,11 +121,12 @@ def test_medusa2_directory_loads_backbone_and_heads_from_the_same_shards(tmp_pat
     assert_lossless(medusa, model)
 
 
-def vllm_keys(num_heads: int, num_layers: int) -> set[str]:
-    """Exactly the parameters of vLLM's Medusa model with medusa_fc_bias=True (model_executor/models/medusa.py)."""
+def vllm_keys(num_heads: int, num_layers: int, shared: bool = False) -> set[str]:
+    """Exactly the tensors vLLM's Medusa model loads with medusa_fc_bias=True (model_executor/models/medusa.py): with
+    original_lm_head, one LM head, `lm_heads.0`."""
     blocks = {f"blocks.{h}.layers.{l}.{p}" for h in range(num_heads) for l in range(num_layers)
               for p in ("weight", "bias")}
-    return blocks | {f"lm_heads.{h}.weight" for h in range(num_heads)}
+    return blocks | {f"lm_heads.{h}.weight" for h in range(1 if shared else num_heads)}
 
 
 @pytest.mark.parametrize("projection", ["shared", "own"])
@@ -134,25 +135,28 @@ def test_vllm_export_has_vllms_keys_and_config_and_reads_back(tmp_path, base, pr
     lm_head = base.get_output_embeddings()
     formats.export(heads, tmp_path, "vllm", lm_head)
 
+    shared = projection == "shared"
     config = json.loads((tmp_path / "config.json").read_text())
     assert config == {
         "architectures": ["MedusaModel"], "model_type": "medusa", "num_heads": 3, "num_hidden_layers": 2,
         "hidden_size": HIDDEN, "vocab_size": VOCAB, "medusa_fc_bias": True, "truncated_vocab_size": None,
+        **({"original_lm_head": True} if shared else {}),
     }
     written = load_file(str(tmp_path / "model.safetensors"))
-    assert set(written) == vllm_keys(3, 2)
+    assert set(written) == vllm_keys(3, 2, shared)
     ours = heads.state_dict()
     for h in range(3):
         for l in range(2):
             for p in ("weight", "bias"):
                 assert torch.equal(written[f"blocks.{h}.layers.{l}.{p}"], ours[f"heads.{h}.{l}.linear.{p}"])
-        projection_weight = lm_head.weight if projection == "shared" else ours[f"heads.{h}.2.weight"]
-        assert torch.equal(written[f"lm_heads.{h}.weight"], projection_weight)
+        projection_weight = lm_head.weight if shared else ours[f"heads.{h}.2.weight"]
+        assert torch.equal(written[f"lm_heads.{0 if shared else h}.weight"], projection_weight)
 
     loaded = MedusaHeads.from_pretrained(tmp_path)  # vLLM import: users may bring vLLM-format heads
     assert formats.detect(tmp_path) == formats.VLLM
     assert (loaded.config.num_heads, loaded.config.num_layers, loaded.config.projection) == (3, 2, "own")
-    expected = {**heads.state_dict(), **{f"heads.{h}.2.weight": written[f"lm_heads.{h}.weight"] for h in range(3)}}
+    expected = {**heads.state_dict(), **{f"heads.{h}.2.weight": written[f"lm_heads.{0 if shared else h}.weight"]
+                                         for h in range(3)}}
     assert_same_state(loaded.state_dict(), expected)
 
 
@@ -215,9 +219,28 @@ def test_cli_export_reads_any_layout_and_writes_vllm(tmp_path, base_dir, base, c
     out = tmp_path / "vllm"
     main(["export", "--format", "vllm", str(out), "--model", str(base_dir), "--heads", str(tmp_path)])
     written = load_file(str(out / "model.safetensors"))
-    assert set(written) == vllm_keys(3, 2)
-    assert all(torch.equal(written[f"lm_heads.{h}.weight"], base.get_output_embeddings().weight) for h in range(3))
-    assert str(out) in capsys.readouterr().out
+    assert set(written) == vllm_keys(3, 2, shared=True)
+    assert torch.equal(written["lm_heads.0.weight"], base.get_output_embeddings().weight)
+    printed = capsys.readouterr().out
+    assert str(out) in printed and "MiB" in printed
+
+
+def test_cli_export_of_the_embedded_default_writes_its_medusa_heads_and_one_lm_head(tmp_path, capsys, monkeypatch):
+    """Nothing runs (no model pass, no tree fit, no kernels): heads and one LM head out, hydra heads refused by name."""
+    from medusa_decoding import default_model
+    from medusa_decoding.model import MedusaModel
+
+    monkeypatch.setattr(MedusaModel, "__init__", lambda *a, **k: pytest.fail("export built a MedusaModel"))
+    main(["export", "--format", "vllm", str(tmp_path / "vllm")])
+    written = load_file(str(tmp_path / "vllm" / "model.safetensors"))
+    heads = MedusaHeads.from_pretrained(default_model.MEDUSA_HEADS)
+    assert set(written) == vllm_keys(heads.config.num_heads, heads.config.num_layers, shared=True)
+    size = sum(p.stat().st_size for p in (tmp_path / "vllm").iterdir())
+    assert size < 1.1 * written["lm_heads.0.weight"].nbytes + sum(p.nbytes for p in heads.state_dict().values())
+    assert f"{size / 2**20:.1f} MiB" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["export", "--format", "vllm", str(tmp_path / "hydra"), "--heads", str(default_model.SHIPPED_HEADS)])
+    assert str(default_model.MEDUSA_HEADS) in capsys.readouterr().err
 
 
 def write_reference(directory, state) -> None:

@@ -175,11 +175,26 @@ def cmd_demo(args) -> None:
 
 
 def cmd_export(args) -> None:
+    """Nothing runs: the heads from their files (any layout), the base model only for its LM head and vocabulary. The
+    embedded default's MEDUSA heads unless --heads names others (its default hydra heads have no such layout)."""
+    from . import default_model
+    from .base import load_base
     from .formats import export
+    from .heads import MedusaHeads
 
-    medusa = load(args)  # heads in any layout; the base model supplies a shared LM head and the vocab size
-    export(medusa.heads, args.out, args.format, medusa.model.get_output_embeddings())
-    print(f"wrote {medusa.heads.config.num_heads} heads in the {args.format} layout to {args.out}")
+    if args.heads is None and args.model is not None:
+        raise ValueError("export: give --heads (only the embedded default ships trained heads)")
+    heads_dir = args.heads or default_model.MEDUSA_HEADS
+    start = time.perf_counter()
+    base, _ = load_base(args.model)
+    lm_head = base.get_output_embeddings()
+    heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=lm_head.weight.shape[0])
+    config = base.config.get_text_config()
+    heads.check_compatible(config.hidden_size, lm_head.weight.shape[0], base.name_or_path, config.num_hidden_layers)
+    out = export(heads, args.out, args.format, lm_head)
+    size = sum(path.stat().st_size for path in out.iterdir() if path.is_file())
+    print(f"wrote {heads.config.num_heads} heads ({heads_dir}) in the {args.format} layout to {out}: "
+          f"{size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s")
 
 
 def cmd_chat(args) -> None:
@@ -435,8 +450,9 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
     p.add_argument("out", help="output directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    add_model_arguments(p, kernels=False)
-    p.set_defaults(run=cmd_export, kernels="stock", dtype="auto")  # no decoding: the weights as they are
+    p.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--heads", help="heads directory, any layout (default: the embedded default's MEDUSA heads)")
+    p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal: /reset, /stats, /exit")
     add_model_arguments(p)

@@ -13,8 +13,9 @@ from pathlib import Path
 from .config import DEFAULT_MODEL
 
 # the default model's heads: hydra ones, 1.07x MEDUSA's on MT-Bench on a 2-core EPYC (MODEL_CARD.md); its MEDUSA
-# heads stay beside them in assets/heads (--heads), the layout vLLM and the reference code read
+# heads stay beside them (--heads), the ones `medusa export` writes for vLLM and the reference code
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads-hydra"
+MEDUSA_HEADS = Path(__file__).parent / "assets" / "heads"
 
 
 def cache_root() -> Path:

@@ -6,7 +6,7 @@
                (FasterDecoding/Medusa, MEDUSA-1 heads; no {h}.{L}.weight means the base LM head is shared)
     medusa-2   a whole model directory whose shards also hold medusa_head.{h}.{l}... (reference MEDUSA-2)
     vllm       config.json (model_type "medusa") + model.safetensors: blocks.{h}.layers.{l}.weight|bias,
-               lm_heads.{h}.weight
+               lm_heads.{h}.weight (with `original_lm_head`: lm_heads.0.weight alone, the base LM head)
 
 Every layout is read into the reference key scheme (ours without its `heads.` prefix), and the
 number of heads, layers and the sizes come from the tensors: published `config.json` files are known to
@@ -23,6 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import EXPORT_FORMATS, HeadsConfig
+from .default_model import MEDUSA_HEADS
 
 # the files this project writes, one name each
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # heads (MedusaHeads.save_pretrained)
@@ -218,7 +219,7 @@ def from_vllm(state: dict, config: dict) -> dict[str, torch.Tensor]:
 
 
 def to_vllm(state: dict, num_layers: int) -> dict[str, torch.Tensor]:
-    """Reference keys (every head with its projection) -> the keys vLLM's Medusa.load_weights expects."""
+    """Reference keys (the projections there are) -> the keys vLLM's Medusa.load_weights expects."""
     out = {}
     for key, tensor in state.items():
         if match := BLOCK.fullmatch(key):
@@ -231,8 +232,8 @@ def to_vllm(state: dict, num_layers: int) -> dict[str, torch.Tensor]:
 
 
 def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -> Path:
-    """Writes `heads` in another engine's layout. lm_head: the base model's, written into each head's
-    projection when the heads share it (vLLM needs one per head; the reference layout leaves it out).
+    """Writes `heads` in another engine's layout. lm_head: the base model's, for heads that share it: vLLM's layout
+    holds it once (`original_lm_head`: every head projects through it); the reference layout leaves it out.
 
     >>> export(medusa.heads, "out/vllm", "vllm", medusa.model.get_output_embeddings())
     """
@@ -243,7 +244,7 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
         raise ValueError(f"export: these are {config.kind} heads, which read the tokens before their guess; the "
                          f"{fmt} layout holds MEDUSA heads only (its engines feed a head the hidden state alone), so "
                          "they cannot be written in it. Keep this project's layout (save_pretrained), or export MEDUSA "
-                         "heads (the embedded default's: --heads src/medusa_decoding/assets/heads)")
+                         f"heads (the embedded default's: --heads {MEDUSA_HEADS})")
     if config.feature_layers:
         raise ValueError(f"export: these heads read the outputs of layers {list(config.feature_layers)} beside the "
                          f"last hidden state; the {fmt} layout's engines feed a head the last hidden state alone, so "
@@ -260,11 +261,11 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
             "vocab_size": config.vocab_size,
         }
         return write(directory, REFERENCE_SAFETENSORS, state, meta)
-    if config.projection == "shared":
+    shared = config.projection == "shared"
+    if shared:
         if lm_head is None:
-            raise ValueError("lm_head: these heads share the base model's LM head; vLLM needs it in each head")
-        weight = lm_head.weight.detach().to(state["0.0.linear.weight"].dtype)
-        state.update({f"{h}.{config.num_layers}.weight": weight.clone() for h in range(config.num_heads)})
+            raise ValueError("lm_head: these heads share the base model's LM head, which vLLM's layout holds once")
+        state[f"0.{config.num_layers}.weight"] = lm_head.weight.detach().to(state["0.0.linear.weight"].dtype)
     meta = {
         "architectures": ["MedusaModel"],
         "model_type": "medusa",
@@ -274,6 +275,7 @@ def export(heads, directory, fmt: str, lm_head: torch.nn.Module | None = None) -
         "vocab_size": state[f"0.{config.num_layers}.weight"].shape[0],
         "medusa_fc_bias": True,
         "truncated_vocab_size": None,
+        **({"original_lm_head": True} if shared else {}),
     }
     return write(directory, WEIGHTS_NAME, to_vllm(state, config.num_layers), meta)
 

@@ -114,6 +114,8 @@ def build_variant(isa: str) -> str | None:
 
     from .default_model import cache_root
 
+    if missing := [path.name for path in SOURCES + HEADERS if not path.is_file()]:
+        return f"the native kernels' sources are missing from {CSRC}: {', '.join(missing)} (a broken install?)"
     if shutil.which(get_cxx_compiler()) is None:
         return f"no C++ compiler: {get_cxx_compiler()!r} is not on PATH (install g++, or set CXX)"
     if shutil.which("ninja") is None:  # torch runs `ninja` from PATH: the pip package's, outside an activated venv
@@ -149,7 +151,7 @@ def code_digest() -> str:
     """A digest of the code that runs a step here (this module, native_layers.py, the native sources and the variant):
     step latencies measured under other code are stale (calibrate.auto_tree keys its cached fits by it)."""
     digest = hashlib.sha256(Path(__file__).read_bytes() + variant().encode())
-    for source in [Path(__file__).with_name("native_layers.py"), *SOURCES, *HEADERS]:
+    for source in [Path(__file__).with_name("native_layers.py"), *sorted(CSRC.glob("*"))]:  # whatever of it exists
         digest.update(source.read_bytes())
     return digest.hexdigest()[:16]
 
