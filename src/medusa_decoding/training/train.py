@@ -38,7 +38,8 @@ from ..heads import MedusaHeads, run_backbone
 from ..base import load_base, untie_output_embeddings
 from ..formats import ADAPTER_DIR, MERGED_DIR, TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
-from .positions import HEAD_OFFSET, ahead_states, answer_positions, at_answers, future_labels, path_embeddings
+from .positions import (HEAD_OFFSET, ahead_states, answer_mask, answer_positions, at_answers, future_labels,
+                        path_embeddings)
 
 OUTSIDE = -1  # the label of an answer token outside the guess vocabulary (TrainConfig.guess_vocab): never guessed
 TOPK_ACCURACY = 5
@@ -75,18 +76,21 @@ class AnswerStates(torch.utils.data.Dataset):
 
 
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targets: torch.Tensor, decay: float,
-               embeds: torch.Tensor | None = None, ahead: torch.Tensor | None = None):
+               embeds: torch.Tensor | None = None, ahead: torch.Tensor | None = None,
+               counts: torch.Tensor | None = None):
     """state [N, S] (the heads' input states), targets [K, N] (embeds [N, K, H]: hydra heads' path; ahead [N, K, H]:
     the states whose `lm_head` distributions the heads learn instead of the target tokens, ahead_states) ->
     (sum_k decay^k mean CE_k, hits [N, K, 3]: top-1, top-5, has a target (the target tokens); None while training,
-    when nothing reads them).
+    when nothing reads them). counts [K]: the denominators of the means (default: these targets' own; a process of
+    several passes the whole step's, target_counts).
 
     The heads run on a chunk of positions at a time, their logits recomputed in the backward pass: K x N x V logits
     at once cost gigabytes (an out-of-memory kill at 24 GiB), and on a CPU most of a step went to faulting that
     memory in.
     """
     num_heads = heads.config.num_heads
-    weights = decay ** torch.arange(num_heads, device=state.device) / (targets != IGNORE_INDEX).sum(-1).clamp(min=1)
+    counts = (targets != IGNORE_INDEX).sum(-1) if counts is None else counts
+    weights = decay ** torch.arange(num_heads, device=state.device) / counts.clamp(min=1)
     split = [itertools.repeat(None) if x is None else x.split(LOSS_CHUNK) for x in (embeds, ahead)]
     chunks = list(zip(state.split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), *split))
 
@@ -158,10 +162,11 @@ class MedusaTrainingModel(nn.Module):
                             attention_mask=attention_mask, use_cache=False)
 
     def forward(self, input_ids=None, attention_mask=None, labels=None, state=None, targets=None, path=None,
-                ahead=None, heads_weight: float = 1.0) -> dict[str, torch.Tensor]:
+                ahead=None, heads_weight: float = 1.0, counts: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """A batch of conversations (input_ids, attention_mask, labels [B, T]) or of answer positions whose states are
         cached (state [N, S], targets [N, K], path [N, K], and ahead [N, K, H] for targets "teacher": AnswerStates)
-        -> the loss, and hits when evaluating: [B, K, 3] per conversation, [N, K, 3] per position."""
+        -> the loss, and hits when evaluating: [B, K, 3] per conversation, [N, K, 3] per position. counts [K+1]: the
+        means' denominators (target_counts; default: this batch's)."""
         num_heads, teacher = self.heads.config.num_heads, self.train_config.targets == "teacher"
         if state is None:
             with torch.set_grad_enabled(self.adapted and torch.is_grad_enabled()):
@@ -178,20 +183,23 @@ class MedusaTrainingModel(nn.Module):
             projection = partial(F.linear, weight=lm_head.weight[self.vocab.to(targets.device)])
             place = self.place.to(targets.device)[targets.clamp(min=0)]
             targets = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, place)
-        loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds, ahead)
+        loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds, ahead,
+                                None if counts is None else counts[:num_heads])
         loss = heads_weight * loss
         if self.adapted:
-            loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels)
+            loss = loss + self.lm_loss(lm_head, hidden, input_ids, attention_mask, labels,
+                                       None if counts is None else counts[num_heads])
         if hits is not None and input_ids is not None:  # per conversation
             hits = hits.new_zeros(len(input_ids), num_heads, 3).index_add_(0, rows, hits)
         return {"loss": loss} if hits is None else {"loss": loss, "head_hits": hits}
 
-    def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels) -> torch.Tensor:
-        """MEDUSA-2's backbone term at every position whose next token is an answer token."""
+    def lm_loss(self, lm_head, hidden, input_ids, attention_mask, labels, count=None) -> torch.Tensor:
+        """MEDUSA-2's backbone term at every position whose next token is an answer token (count: the mean's
+        denominator, default these positions')."""
         targets = future_labels(labels, 1)
         keep = targets != IGNORE_INDEX
         logits = lm_head(hidden[keep]).float()  # [N, V]
-        count = keep.sum().clamp(min=1)
+        count = (keep.sum() if count is None else count).clamp(min=1)
         if self.train_config.lm_loss == "ce":
             return F.cross_entropy(logits, targets[keep], reduction="sum") / count
         with torch.no_grad(), self.backbone.disable_adapter():
@@ -241,8 +249,14 @@ class MedusaTrainer(Trainer):
         self.medusa, self.ramp = medusa, ramp
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        outputs = model(**inputs, heads_weight=heads_weight(self.medusa, self.state.global_step, self.ramp))
-        return (outputs["loss"], outputs) if return_outputs else outputs["loss"]
+        """Means over the targets of every process's batch: each process divides its sums by the step's counts, and
+        its loss is scaled by the processes' number, which DDP's gradient average divides out again. Several
+        processes then give one process's gradients for the same global batch (within float rounding)."""
+        counts = self.accelerator.reduce(target_counts(inputs, self.medusa.num_heads), "sum")
+        outputs = model(**inputs, heads_weight=heads_weight(self.medusa, self.state.global_step, self.ramp),
+                        counts=counts)
+        loss = outputs["loss"] * self.accelerator.num_processes
+        return (loss, outputs) if return_outputs else loss
 
     def create_optimizer(self, model=None):
         if self.optimizer is None:
@@ -254,6 +268,17 @@ class MedusaTrainer(Trainer):
             optimizer_cls, kwargs = self.get_optimizer_cls_and_kwargs(self.args, wrapper)
             self.optimizer = optimizer_cls(groups, **kwargs)
         return self.optimizer
+
+
+def target_counts(inputs: dict, num_heads: int) -> torch.Tensor:
+    """A batch's targets [K+1]: each head's, then the LM head's (MEDUSA-2's backbone term), counted as the losses
+    count them; from labels [B, T] (conversations) or targets [N, K] (answer positions, which have no LM term)."""
+    if "targets" in inputs:
+        heads = (inputs["targets"] != IGNORE_INDEX).sum(0)
+        return torch.cat([heads, heads.new_zeros(1)])
+    labels = inputs["labels"]
+    heads = (answer_mask(labels, num_heads)[0] != IGNORE_INDEX).sum((1, 2))
+    return torch.cat([heads, (future_labels(labels, 1) != IGNORE_INDEX).sum()[None]])
 
 
 def head_metrics(prediction: EvalPrediction, num_heads: int) -> dict[str, float]:
@@ -383,7 +408,9 @@ def training_arguments(output: Path, config: TrainConfig, evaluate: bool) -> Tra
         eval_strategy="steps" if evaluate else "no",
         eval_steps=config.save_steps,
         bf16=config.bf16,
-        use_cpu=config.bf16 and not torch.cuda.is_available(),  # bf16 autocast on a CPU (AMX) must be asked for
+        # asked for on a CPU: bf16 autocast there (AMX), and processes under torchrun/accelerate run as MULTI_CPU
+        # (gloo) instead of each training alone
+        use_cpu=not torch.cuda.is_available(),
         seed=config.seed,
         data_seed=config.seed,
         report_to="none",
@@ -449,7 +476,8 @@ def train(
     accuracy = head_accuracy(trainer.evaluate(), heads.config.num_heads, len(eval_set)) if eval_set else {}
     if wrapper.adapted and eval_set:
         accuracy["lm_top1_agreement"] = lm_agreement(wrapper, eval_set, pad_id, config.batch_size)
-    save(wrapper, tokenizer, output, config, accuracy, merge)
+    if trainer.is_world_process_zero():  # under several processes (accelerate launch, torchrun) one writes
+        save(wrapper, tokenizer, output, config, accuracy, merge)
     return accuracy
 
 
