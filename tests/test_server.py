@@ -430,3 +430,55 @@ def test_health_says_error_once_the_loop_has_stopped(smollm, monkeypatch):
         assert state.status_code == 503 and state.json()["status"] == "error" and state.json()["in_flight"] == 0
         refused = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "worker_stopped"
+
+
+def test_stream_chunks_say_which_forward_pass_they_came_from(client, expected):
+    """The chat page's extension (OpenAI clients ignore it): each piece's forward pass and what that pass accepted."""
+    want = expected(PROMPTS[0])
+    text, chunks = streamed_text(client, PROMPTS[0])
+    pieces = [c.model_extra["medusa"] for c in chunks if c.choices[0].delta.content]
+    steps = [piece["step"] for piece in pieces]
+    assert steps[0] == 1 and steps == sorted(set(steps)) and steps[-1] <= want.steps
+    assert [piece["accepted"] for piece in pieces] == [want.accept_lengths[step - 1] for step in steps]
+    assert any(piece["accepted"] > 1 for piece in pieces)  # the shipped heads' guesses were taken somewhere
+
+
+def test_the_chat_page_is_served_offline(base_url):
+    page = httpx.get(f"{base_url}/")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert "static/app.js" in page.text and "http" not in page.text.split("<body>")[1]  # nothing fetched from away
+    for name in ("app.js", "style.css"):
+        assert httpx.get(f"{base_url}/static/{name}").status_code == 200
+
+
+def test_an_api_key_guards_every_v1_route_and_the_openai_client_sends_it(smollm, monkeypatch):
+    key = "sk-local-test"
+    with serving(create_app(smollm, MODEL_ID, Scheduler(), ServerConfig(api_key=key))) as url:
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": key}):
+            for method, path, body in (("POST", CHAT, GOOD), ("GET", "/v1/models", None)):
+                refused = httpx.request(method, f"{url}{path}", json=body, headers=headers, timeout=30)
+                assert refused.status_code == 401, (headers, path)
+                assert refused.json()["error"]["type"] == "invalid_request_error"
+                assert refused.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.post(f"{url}{CHAT}", json=GOOD, headers={"Authorization": f"Bearer {key}"}).status_code == 200
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/").status_code == 200
+        good = openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0, timeout=60)
+        assert chat(good, PROMPTS[4]).usage.completion_tokens >= 1
+        with pytest.raises(openai.AuthenticationError, match="Incorrect API key"):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_medusa_serve_takes_its_key_from_the_option_or_the_environment(monkeypatch):
+    from medusa_decoding import cli
+    import medusa_decoding.server as server_module
+
+    keys = []
+    monkeypatch.setattr(cli, "load", lambda args: "the model")
+    monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
+    monkeypatch.setattr(server_module, "create_app", lambda medusa, name, scheduler, config: keys.append(config.api_key))
+    monkeypatch.setenv("MEDUSA_API_KEY", "from-env")
+    cli.main(["serve"])
+    cli.main(["serve", "--api-key", "from-option"])
+    monkeypatch.delenv("MEDUSA_API_KEY")
+    cli.main(["serve"])
+    assert keys == ["from-env", "from-option", None]

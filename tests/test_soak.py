@@ -4,15 +4,13 @@ nothing in flight, and the process's memory back near where it was after a warm-
 
 import contextlib
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+
+from serve_process import medusa_serve
 
 from medusa_decoding.config import DEFAULT_MODEL
 
@@ -37,31 +35,6 @@ MEMORY_SLACK = 16 * 2**20  # what the server may grow by after its warm-up (seen
 def rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
-
-
-@contextlib.contextmanager
-def medusa_serve(*args: str):
-    """`medusa serve` in a subprocess on a free loopback port -> (its URL, its pid)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "medusa_decoding.cli", "serve", "--port", str(port), *args],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 600  # a cold cache converts the model and builds the kernels
-        while True:
-            assert process.poll() is None, f"medusa serve exited: {process.stderr.read()}"
-            assert time.monotonic() < deadline, "medusa serve did not start"
-            with contextlib.suppress(httpx.TransportError):
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            time.sleep(0.5)
-        yield url, process.pid
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
 
 
 def one(url: str, kind: str, prompt: str, length: int, rng: random.Random) -> tuple[str, int, str | None]:

@@ -2,6 +2,7 @@
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import fields
@@ -14,6 +15,7 @@ from .kernels import KERNELS
 ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
 DEFAULTS = GenerationConfig()
 SERVER = ServerConfig()
+API_KEY_ENV = "MEDUSA_API_KEY"  # `medusa serve --api-key`'s default, kept out of the process list
 DISTILL = DistillConfig()
 TRAIN = TrainConfig()
 CALIBRATE = CalibrateConfig()
@@ -211,7 +213,8 @@ def cmd_serve(args) -> None:
 
     from .server import Scheduler, create_app
 
-    config = ServerConfig(args.host, args.port, args.max_batch, args.max_queue, args.max_tree_nodes, args.max_tree_depth)
+    config = ServerConfig(args.host, args.port, args.max_batch, args.max_queue, args.max_tree_nodes, args.max_tree_depth,
+                          args.api_key or os.environ.get(API_KEY_ENV) or None)
     scheduler = Scheduler(config.max_batch, config.max_queue)
     medusa = scheduler.load(lambda: load(args))  # on the thread that will run it (Scheduler says why)
     uvicorn.run(create_app(medusa, args.model or DEFAULT_MODEL.name, scheduler, config), host=config.host,
@@ -470,6 +473,8 @@ def main(argv=None) -> None:
                    help="the most candidates a request's medusa.tree may ask for; larger trees get a 400")
     p.add_argument("--max-tree-depth", type=int, default=SERVER.max_tree_depth,
                    help="the deepest tree a request may ask for")
+    p.add_argument("--api-key", help=f"every /v1/ request must send it (Authorization: Bearer KEY; the chat page asks "
+                   f"for it once); default ${API_KEY_ENV}, else none")
     p.set_defaults(run=cmd_serve)
 
     p = sub.add_parser("distill", help="self-distillation: the base model answers seed prompts (ShareGPT JSONL out)")

@@ -214,7 +214,7 @@ DEFAULT_MODEL = DefaultModel()
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Where `medusa serve` listens: loopback only unless asked (the server has no authentication)."""
+    """Where `medusa serve` listens (loopback unless asked) and what it takes from a request."""
 
     host: str = "127.0.0.1"
     port: int = 8000
@@ -224,6 +224,7 @@ class ServerConfig:
     # trees have at most CalibrateConfig.max_nodes candidates); a deeper tree than the heads reach is refused anyway
     max_tree_nodes: int = 256
     max_tree_depth: int = 8
+    api_key: str | None = None  # every /v1/ request must send it (Authorization: Bearer KEY); None: no check
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ forward pass. The worker's loop outlives any failure (Scheduler.serve); /health 
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import socket
@@ -27,12 +28,14 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import torch
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -42,6 +45,7 @@ from .model import GenerationOutput, MedusaModel, Requests, Step, TextPieces, ad
 from .tree import spec_size
 
 log = logging.getLogger(__name__)
+WEB = Path(__file__).with_name("web")  # the chat page's static files
 
 # request field -> GenerationConfig field; the later of two aliases wins
 OPENAI_FIELDS = {
@@ -188,6 +192,16 @@ class Finished:
     finish_reason: str  # "stop" (EOS or a stop string), "length", or "cancelled" (the client left)
 
 
+@dataclass
+class Piece:
+    """Text of a request's answer, and the forward pass it came from: its number in the request (1: the prefill) and
+    the tokens that pass accepted (what a stream chunk's `medusa` extension says)."""
+
+    text: str
+    step: int
+    accepted: int
+
+
 @dataclass(eq=False)  # compared by identity: a queued job is found and removed as itself
 class Job:
     """One request on its way through the worker: inputs, a queue of events out, a cancel flag in."""
@@ -196,7 +210,7 @@ class Job:
     ids: torch.Tensor  # [T]
     config: GenerationConfig
     loop: asyncio.AbstractEventLoop
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # text pieces, then Finished or an error
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # Pieces, then Finished or an error
     cancelled: threading.Event = field(default_factory=threading.Event)
     out: GenerationOutput = field(default_factory=GenerationOutput)  # what the worker produced so far
     pieces: TextPieces = field(init=False)  # what of its text was sent
@@ -361,7 +375,7 @@ class Scheduler:
         """A step's text for its job; its end, if it was the last."""
         record(job.out, step)
         if piece := job.pieces.add(step.text, step.done):
-            self.outbox.append((job, piece))
+            self.outbox.append((job, Piece(piece, job.out.steps, len(step.tokens))))
         if step.done:
             job.out.seconds = time.perf_counter() - job.start
             self.end(job, Finished(job.out, step.finish))
@@ -390,8 +404,8 @@ def put_all(events: list[tuple[asyncio.Queue, object]]) -> None:
         queue.put_nowait(event)
 
 
-async def job_events(job: Job, scheduler: Scheduler, watcher: asyncio.Task) -> AsyncIterator[str | Finished]:
-    """Yields the queued job's text pieces, then its Finished; cancels it if the consumer stops early."""
+async def job_events(job: Job, scheduler: Scheduler, watcher: asyncio.Task) -> AsyncIterator[Piece | Finished]:
+    """Yields the queued job's pieces of text, then its Finished; cancels it if the consumer stops early."""
     try:
         while not isinstance(event := await job.events.get(), Finished):
             if isinstance(event, Exception):
@@ -474,13 +488,15 @@ async def answer(scheduler: Scheduler, medusa: MedusaModel, limits: ServerConfig
     return {
         **head,
         "object": endpoint.object,
-        "choices": [endpoint.choice("".join(pieces), done.finish_reason, False)],
+        "choices": [endpoint.choice("".join(piece.text for piece in pieces), done.finish_reason, False)],
         "usage": usage(ids.numel(), done.out),
     }
 
 
 async def stream(endpoint: Endpoint, head: dict, prompt_tokens: int, events) -> AsyncIterator[str]:
-    """Server-sent events: a chunk per text piece, a final chunk with finish_reason and usage, [DONE]."""
+    """Server-sent events: a chunk per text piece, a final chunk with finish_reason and usage, [DONE]. Each piece's
+    chunk carries `medusa`: {"step": the request's forward pass it came from (1: the prefill), "accepted": the
+    tokens that pass accepted}, an extension OpenAI clients ignore (the chat page draws each pass from it)."""
 
     def chunk(choice: dict, **extra) -> str:
         return sse({**head, "object": endpoint.chunk_object, "choices": [choice], **extra})
@@ -492,7 +508,8 @@ async def stream(endpoint: Endpoint, head: dict, prompt_tokens: int, events) -> 
             if isinstance(event, Finished):
                 yield chunk(endpoint.choice("", event.finish_reason, True), usage=usage(prompt_tokens, event.out))
             else:
-                yield chunk(endpoint.choice(event, None, True))
+                yield chunk(endpoint.choice(event.text, None, True), medusa={"step": event.step,
+                                                                           "accepted": event.accepted})
     except Exception as error:  # headers are sent: the error travels as an event, as OpenAI's API does
         yield sse(error_body(f"generation failed: {error}", kind="server_error"))
     yield sse("[DONE]")
@@ -522,19 +539,36 @@ def create_app(medusa: MedusaModel, model_id: str, scheduler: Scheduler | None =
                 "model", "model_not_found",  # the issue asks 400; OpenAI itself answers 404
             )
 
-    @app.post("/v1/chat/completions")
+    def check_key(request: Request) -> None:
+        """--api-key: every /v1/ request names it, as OpenAI's clients send theirs (Authorization: Bearer KEY)."""
+        given = request.headers.get("authorization", "").encode()
+        if config.api_key is not None and not hmac.compare_digest(given, f"Bearer {config.api_key}".encode()):
+            raise RequestError("Incorrect API key provided: send it as the header `Authorization: Bearer KEY`",
+                               code="invalid_api_key", status=401)
+
+    api = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+
+    @api.post("/chat/completions")
     async def chat_completions(body: ChatRequest, request: Request):
         check_model(body)
         return await answer(scheduler, medusa, config, CHAT, body, request)
 
-    @app.post("/v1/completions")
+    @api.post("/completions")
     async def completions(body: CompletionRequest, request: Request):
         check_model(body)
         return await answer(scheduler, medusa, config, COMPLETION, body, request)
 
-    @app.get("/v1/models")
+    @api.get("/models")
     async def models():
         return {"object": "list", "data": [{"id": model_id, "object": "model", "created": 0, "owned_by": "medusa-decoding"}]}
+
+    app.include_router(api)
+    app.mount("/static", StaticFiles(directory=WEB), name="static")
+
+    @app.get("/", include_in_schema=False)
+    async def page():
+        """The chat page (web/): a chat and a race of MEDUSA against plain decoding, over the API above."""
+        return FileResponse(WEB / "index.html")
 
     @app.get("/health")
     async def health():
