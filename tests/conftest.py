@@ -17,7 +17,16 @@ if THREADS:
 needs_native = pytest.mark.skipif(native_build() is not None, reason=f"native CPU kernel: {native_build()}")
 # the exact float32 kernels the smollm fixture (and the CLI runs compared with it) decode on: kernels="auto" may pick q8
 EXACT_KERNELS = "stock" if native_build() else "native"
-needs_compiler = pytest.mark.skipif(compile_error("cpu") is not None, reason=f"torch.compile: {compile_error('cpu')}")
+# tests that compile graphs with torch.compile (inductor): minutes of C++ compiling on a cold CPU, so `make test` leaves
+# them to `make test-compiled` (pytest -m compiles); skipped, with the reason, where torch.compile cannot run
+needs_compiler = pytest.mark.compiles
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    if (error := compile_error("cpu")) is not None:
+        for item in items:
+            if item.get_closest_marker("compiles"):
+                item.add_marker(pytest.mark.skip(reason=f"torch.compile: {error}"))
 
 
 def pytest_report_header(config) -> str:

@@ -27,7 +27,7 @@ TREES = (PLAIN, Tree.from_spec([2, 1]), Tree.from_spec(DEFAULT_TREE), Ladder.fix
 DEVICE_STEPS = 4  # one graph per tree (compiled.device_graph)
 PROPOSALS = 2  # the static trees with candidates: their first step's proposal (a confident one's runs eagerly)
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+pytestmark = [pytest.mark.usefixtures("one_thread"), needs_compiler]  # every test here compiles, or checks a graph
 
 
 def graphs() -> int:

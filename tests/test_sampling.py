@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES
+from conftest import FAMILIES, needs_compiler
 from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 from scipy.stats import chisquare
 
@@ -117,13 +117,14 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     ("engine, trees picked by the sampled tokens", {}),  # what the guard of --tree auto may do: any tree, any step
     ("engine, hydra heads", {}),  # candidates that depend on the path before them
     ("engine, confident trees", {}),  # which candidates: the heads' likeliest, a different tree every step
-    ("engine, compiled", {}),  # the whole step on the device: its rule in the graph (device_acceptance)
-    ("engine, compiled", {"top_k": 4, "top_p": 0.8}),  # and the device's filters
-    ("engine, confident trees, compiled", {}),  # and the device's choice of the likeliest nodes
+    pytest.param("engine, compiled", {}, marks=needs_compiler),  # the whole step on the device: its rule in the graph
+    pytest.param("engine, compiled", {"top_k": 4, "top_p": 0.8}, marks=needs_compiler),  # and the device's filters
+    pytest.param("engine, confident trees, compiled", {}, marks=needs_compiler),  # the device's likeliest nodes
     ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
-    ("halves-draws, compiled", {}),  # the device's draws in [0, 0.5): accepts with min(1, 2 p), samples low tokens
+    # the device's draws in [0, 0.5): accepts with min(1, 2 p), samples low tokens
+    pytest.param("halves-draws, compiled", {}, marks=needs_compiler),
 ])
 def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, verifier, filters):
     flawed = {"keeps-rejected": flawed_rejection(remove_rejected=False), "doubles-acceptance": flawed_rejection(2.0)}
@@ -191,7 +192,7 @@ def sampled(model, heads, tree, seed: int = 0, compiled: bool = False, **fields)
     return [new for new, _ in decode(model, heads, PROMPT, config, tree, generator=generator, compiled=compiled)]
 
 
-@pytest.fixture(params=["eager", "compiled"])
+@pytest.fixture(params=["eager", pytest.param("compiled", marks=needs_compiler)])
 def engine_model(request, small_model, monkeypatch):
     """(model, heads, sampled()'s keywords): small_model on either engine (compiled: every step whole on the
     device)."""
