@@ -1,4 +1,4 @@
-"""Head training on the Hugging Face `Trainer` (so accelerate, DeepSpeed and FSDP work unchanged).
+"""Head training on the Hugging Face `Trainer`: one process, or several under torchrun or accelerate (docs/training.md).
 
 The hidden state at position t feeds the LM head, which predicts token t+1, and head k (0-based),
 which predicts token t+k+2. Losses count only targets that are assistant tokens:
