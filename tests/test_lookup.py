@@ -11,7 +11,8 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch
 from medusa_decoding.guard import Ladder
-from medusa_decoding.lookup import FIXED_NODE_COST, LOOKUP_RANK, Lookup, LookupDraft, graft, step_cost
+from medusa_decoding.lookup import Lookup, LookupDraft
+from medusa_decoding.proposers import DRAFT_RANK, FIXED_NODE_COST, Proposal, graft, step_cost, worth
 from medusa_decoding.tree import Tree
 
 
@@ -105,34 +106,48 @@ def test_a_chain_follows_the_heads_path_where_they_agree_then_hangs_its_own_node
     token_of = dict(zip(merged.paths, merged_tokens[1:]))
     assert merged.num_nodes == tree.num_nodes + 2 and merged_tokens[0] == 10
     assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:]))  # the heads' nodes as they were
-    own = (0, 0, LOOKUP_RANK)
-    assert [merged.paths[node - 1] for node in nodes] == [(0,), (0, 0), own, own + (LOOKUP_RANK,)]
+    own = (0, 0, DRAFT_RANK)
+    assert [merged.paths[node - 1] for node in nodes] == [(0,), (0, 0), own, own + (DRAFT_RANK,)]
     assert [merged_tokens[node] for node in nodes] == [20, 30, 40, 50]
     assert [int(merged.parents[node]) for node in nodes] == [0] + nodes[:-1]  # one root path
 
     other, other_tokens, other_nodes = graft(tree, tokens, [99, 20])  # disagrees at once: its own branch
-    assert [other.paths[n - 1] for n in other_nodes] == [(LOOKUP_RANK,), (LOOKUP_RANK, LOOKUP_RANK)]
+    assert [other.paths[n - 1] for n in other_nodes] == [(DRAFT_RANK,), (DRAFT_RANK, DRAFT_RANK)]
     assert [other_tokens[n] for n in other_nodes] == [99, 20]
     assert graft(tree, tokens, []) == (tree, tokens, [])
+
+
+def kept(draft: LookupDraft, budget: int, tokens: float, cost) -> list[int]:
+    """What the step keeps of the draft's proposal (decoding.Batch.graft)."""
+    proposal = draft.propose(budget)
+    return proposal.tokens[: worth(proposal, tokens, cost)]
 
 
 def test_the_chain_is_as_long_as_its_expected_tokens_pay_for():
     draft = LookupDraft([1, 2, 3, 4, 5, 6, 1, 2, 3], max_length=8)  # "1 2 3" recurs: 4 5 6 1 2 3 follows
     free, dear = (lambda n: 1.0), (lambda n: 1 + 10 * n)
-    assert draft.chain(budget=8, tokens=1.0, cost=free) == [4, 5, 6, 1, 2, 3]
-    assert draft.chain(budget=2, tokens=1.0, cost=free) == [4, 5]  # never past the budget
-    assert draft.chain(budget=8, tokens=1.0, cost=dear) == []
-    assert LookupDraft([1, 2, 3], max_length=8).chain(8, 1.0, free) == []  # nothing recurs
+    assert kept(draft, budget=8, tokens=1.0, cost=free) == [4, 5, 6, 1, 2, 3]
+    assert kept(draft, budget=2, tokens=1.0, cost=free) == [4, 5]  # never past the budget
+    assert kept(draft, budget=8, tokens=1.0, cost=dear) == []
+    assert kept(LookupDraft([1, 2, 3], max_length=8), 8, 1.0, free) == []  # nothing recurs
+
+
+def test_worth_keeps_the_prefix_with_the_most_tokens_per_unit_of_time():
+    cost = lambda n: 1 + 0.25 * n  # noqa: E731
+    assert worth(Proposal([1, 2, 3], [1.0, 1.0, 1.0]), 1.0, cost) == 3  # sure tokens: (1 + 3) / 1.75 beats the rest
+    assert worth(Proposal([1, 2, 3], [0.9, 0.1, 0.9]), 1.0, cost) == 1  # the second is unlikely: nothing after it
+    assert worth(Proposal([1, 2], [0.2, 0.2]), 1.0, cost) == 0  # not worth a node
+    assert worth(Proposal([], []), 1.0, cost) == 0
 
 
 def test_chains_that_miss_make_the_next_ones_shorter():
     draft = LookupDraft([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], max_length=8)
     cost = lambda n: 1 + 0.1 * n  # noqa: E731
-    before = len(draft.chain(8, 1.0, cost))
+    before = len(kept(draft, 8, 1.0, cost))
     for _ in range(20):
-        chain = draft.chain(8, 1.0, cost)
+        chain = kept(draft, 8, 1.0, cost)
         draft.record(list(range(1, len(chain) + 1)), [0], [])  # nothing of it accepted
-    after = len(draft.chain(8, 1.0, cost))
+    after = len(kept(draft, 8, 1.0, cost))
     assert before == 2 and after == 0 and draft.right[2] < 0.15  # the 3-token match missed
     draft.record([1, 2], [0, 1, 2], [4, 5, 6])  # both right: counted, and the answer extends the index
     assert draft.index.tokens[-3:] == [4, 5, 6]
@@ -168,3 +183,43 @@ def test_greedy_decoding_with_lookup_drafts_is_plain_decoding(family, heads):
             grafted += size > tree.num_nodes - 1
     assert [produced[id(row)] for row in rows] == [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
     assert grafted >= 10  # chains were verified (random models seldom repeat: few are right, and then offered less)
+
+
+class FixedChain:
+    """A proposer written in this test, not the engine: it offers a chain it was given (the model's own greedy
+    continuation, as sure of each token as can be), one position at a time, and hears what was accepted."""
+
+    max_length = 4
+
+    def __init__(self, continuation: list[int]):
+        self.continuation, self.at, self.heard = continuation, 1, []  # the root (continuation[0]) is produced
+
+    def propose(self, budget: int) -> Proposal:
+        chain = self.continuation[self.at : self.at + min(self.max_length, budget)]
+        return Proposal(chain, [1.0] * len(chain))
+
+    def record(self, nodes: list[int], path: list[int], new: list[int]) -> None:
+        self.heard.append((nodes, len(path) - 1))
+        self.at += len(new)
+
+
+@pytest.mark.parametrize("heads", ["medusa", "none"])
+def test_a_proposer_added_to_a_row_joins_its_tree_without_a_change_to_the_step(heads):
+    """A new source of drafts is one class: appended to a row's proposers, its chains are verified beside the heads'
+    candidates (or alone), accepted where right, the output stays plain greedy decoding's."""
+    model = lively_model("llama")
+    heads = None if heads == "none" else random_heads(model)
+    tree, prompt, budget = (PLAIN if heads is None else Tree.from_spec([2, 1])), NEVER, 30
+    want = greedy_reference(model, prompt, budget)
+    batch = Batch(model, heads)
+    row = batch.join(prompt, GenerationConfig(max_new_tokens=budget, lookup=0), tree)
+    fixed = FixedChain(want)
+    row.proposers.append(fixed)
+    produced, steps = [row.root], 0
+    while batch.rows:
+        for _, new, _ in batch.step():
+            produced += new
+            steps += 1
+    assert produced == want
+    assert steps <= budget // (fixed.max_length + 1) + 1  # every chain was accepted whole
+    assert all(nodes and accepted >= len(nodes) for nodes, accepted in fixed.heard[:-1])

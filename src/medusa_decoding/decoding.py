@@ -24,7 +24,8 @@ from .eager import Eager, Packed
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads
 from .kernels import guess_projection
-from .lookup import LookupDraft, drafted, graft, step_cost
+from .lookup import LookupDraft
+from .proposers import Proposer, drafted, graft, step_cost, worth
 from .proposal import candidates
 from .tree import Tree, build, node_index, on_device, padded
 
@@ -131,8 +132,8 @@ class Row:
     heads_input: torch.Tensor  # [S] the heads' input state at the token before the root, which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
     produced: int = 1  # tokens produced so far, the root included
-    drafts: list[LookupDraft] = field(default_factory=list)  # sources of candidates besides the heads (lookup.py)
-    drafted: int = 0  # of the last step's tokens, those only a draft proposed
+    proposers: list[Proposer] = field(default_factory=list)  # sources of candidates besides the heads (proposers.py)
+    drafted: int = 0  # of the last step's tokens, those only a proposer proposed
     key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
 
     @property
@@ -148,8 +149,8 @@ class Plan:
     tokens: torch.Tensor  # [N+1] the root and the candidates
     guesses: torch.Tensor | dict | None  # the heads' guesses, for the guard (propose)
     timed: bool  # whether the step's time tells the guard about its tree
-    nodes: int  # the nodes of the guard's pick and room for the drafts: a compiled step's size, whatever is left
-    chains: list[list[int]] = field(default_factory=list)  # each draft's nodes in `tree`
+    nodes: int  # the nodes of the guard's pick and room for the proposers: a compiled step's size, whatever is left
+    chains: list[list[int]] = field(default_factory=list)  # each proposer's nodes in `tree`
 
 
 class Batch:
@@ -177,9 +178,9 @@ class Batch:
         with torch.inference_mode():
             cache, logits, state = self.engine.prefill(prompt)
             root = first_token(logits, config, generator)
-            drafts = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
+            proposers = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
             row = Row(config, Guard(ladder, root), eos_ids, generator, root, state, prompt.shape[-1],
-                      drafts=drafts, key=draw_key(generator) if config.temperature > 0 else 0)
+                      proposers=proposers, key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
@@ -230,17 +231,18 @@ class Batch:
             tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.heads_input, row.root, step_tree,
                                       watched, run=self.engine.candidates, keep=row.guard.watching)
         # a cut or grafted tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
-        plan = Plan(step_tree, tokens, guesses, False, nodes + sum(draft.max_length for draft in row.drafts))
+        plan = Plan(step_tree, tokens, guesses, False, nodes + sum(p.max_length for p in row.proposers))
         self.graft(row, plan, budget)
         plan.timed = plan.tree is tree and row.config.seed is None
         return plan
 
     def graft(self, row: Row, plan: Plan, budget: int) -> None:
-        """Each draft's chain joins the plan's tree, as many tokens as its expected yield pays for at this step's
-        cost (lookup.step_cost: from the ladder's calibrated latencies)."""
-        for draft in row.drafts:
+        """Each proposer's chain joins the plan's tree, as many of its tokens as their expected yield pays for at
+        this step's cost (proposers.worth and step_cost: from the ladder's calibrated latencies)."""
+        for proposer in row.proposers:
             cost = step_cost(row.guard.ladder, row.length, len(self.rows), plan.tree.num_nodes)
-            if chain := draft.chain(budget, row.guard.expected(), cost):
+            proposal = proposer.propose(budget)
+            if chain := proposal.tokens[: worth(proposal, row.guard.expected(), cost)]:
                 plan.tree, tokens, nodes = graft(plan.tree, plan.tokens.tolist(), chain)
                 plan.tokens, plan.chains = plan.tokens.new_tensor(tokens), plan.chains + [nodes]
             else:
@@ -262,8 +264,8 @@ class Batch:
         new = until_eos(plan.tokens[path[1:]].tolist() + [root], row.eos_ids)
         # a batch's step time is shared: only a batch of one times its tree
         row.guard.record(plan.guesses, new, seconds if plan.timed and len(self.rows) == 1 else None, row.length)
-        for draft, nodes in zip(row.drafts, plan.chains):
-            draft.record(nodes, path, new)
+        for proposer, nodes in zip(row.proposers, plan.chains):
+            proposer.record(nodes, path, new)
         row.drafted = drafted(plan.tree, path, len(new))
         row.root, row.length, row.produced = new[-1], row.length + len(path), row.produced + len(new)
         return row, new, plan.tree.num_nodes - 1
@@ -276,8 +278,8 @@ class Batch:
             row.length += len(new)
             new = until_eos(new, row.eos_ids)[: row.config.max_new_tokens - row.produced]
             row.root, row.produced = new[-1], row.produced + len(new)
-            for draft in row.drafts:  # the device step verifies the heads' tree alone
-                draft.record([], [0], new)
+            for proposer in row.proposers:  # the device step verifies the heads' tree alone
+                proposer.record([], [0], new)
             events.append((row, new, tree.num_nodes - 1))
         self.engine.settled()
         return events

@@ -6,8 +6,7 @@ the stream's last few tokens are a cheap guess at what comes next, with no model
 
 from collections.abc import Sequence
 
-from .guard import Ladder
-from .tree import Tree, build
+from .proposers import Proposal
 
 
 class Lookup:
@@ -50,35 +49,14 @@ class Lookup:
         return [], 0
 
 
-LOOKUP_RANK = 1 << 16  # a lookup node's rank in a merged tree: past any head's top-k, so never one of the heads'
 PRIOR, PRIOR_WEIGHT = 0.5, 2  # a chain token's chance of being right before any is counted, worth this many counts
 SMOOTHING = 1 / 16  # the weight of a new count once PRIOR_WEIGHT is outweighed: the estimate follows recent chains
-FIXED_NODE_COST = 0.1  # a node's cost, as a share of a step, where the ladder has no measured latencies
-
-
-def graft(tree: Tree, tokens: list[int], chain: list[int]) -> tuple[Tree, list[int], list[int]]:
-    """The heads' tree with its tokens [N+1] (the root first) and a lookup chain after the root -> the merged tree,
-    its tokens, and the chain's nodes in it. Where the chain's tokens are the heads' along a path it follows that path
-    (one node, verified once); from its first other token on it hangs its own nodes there (rank LOOKUP_RANK)."""
-    token_of = {(): tokens[0]} | dict(zip(tree.paths, tokens[1:]))
-    child = {(path[:-1], token_of[path]): path for path in tree.paths}
-    node, added, nodes = (), [], []
-    for token in chain:
-        node = child.get((node, token)) or node + (LOOKUP_RANK,)
-        if node not in token_of:
-            token_of[node] = token
-            added.append(node)
-        nodes.append(node)
-    merged = build(tree.paths + tuple(added))
-    index = {path: i + 1 for i, path in enumerate(merged.paths)}
-    return merged, [tokens[0]] + [token_of[path] for path in merged.paths], [index[path] for path in nodes]
 
 
 class LookupDraft:
-    """One row's lookup source: the index over its prompt and answer, and how often its chain tokens were right
-    (given the one before was), per match length. Each step it offers the chain length with the most expected tokens
-    per unit of step time: a chain token is accepted only if every one before it was, and on a CPU every node
-    verified costs time, so a long chain is worth it only where matches have been right."""
+    """One row's lookup source (a proposers.Proposer): the index over its prompt and answer, and how often its chain
+    tokens were right (given the one before was), per match length: the confidence it offers them with. On a CPU every
+    node verified costs time, so the step keeps a long chain only where matches have been right (proposers.worth)."""
 
     def __init__(self, prompt: Sequence[int], max_length: int, max_ngram: int = 4):
         self.index, self.max_length = Lookup(prompt, max_ngram), max_length
@@ -86,19 +64,11 @@ class LookupDraft:
         self.counted = [0] * max_ngram
         self.match = 0  # the match length of the last chain offered
 
-    def chain(self, budget: int, tokens: float, cost) -> list[int]:
-        """The chain to verify this step: at most `budget` tokens; `tokens`: what the step yields without it;
-        cost(n): the step time with n more nodes, as a share of the step without them."""
-        proposal, match = self.index.propose(min(self.max_length, budget))
-        if not proposal:
-            return []
-        right, gained, best, best_speed = self.right[match - 1], 0.0, 0, tokens
-        for length in range(1, len(proposal) + 1):
-            gained += right ** length
-            if (speed := (tokens + gained) / cost(length)) > best_speed:
-                best, best_speed = length, speed
-        self.match = match
-        return proposal[:best]
+    def propose(self, budget: int) -> Proposal:
+        """The continuation of the stream's longest recurring suffix, at most `budget` tokens, each right as often as
+        this match length's tokens have been."""
+        proposal, self.match = self.index.propose(min(self.max_length, budget))
+        return Proposal(proposal, [self.right[self.match - 1]] * len(proposal))
 
     def record(self, nodes: list[int], path: list[int], new: list[int]) -> None:
         """After the step: the chain's `nodes` in the verified tree, the accepted `path` (node indices) and the tokens
@@ -112,25 +82,3 @@ class LookupDraft:
             if not right:
                 break
         self.index.extend(new)
-
-
-def drafted(tree: Tree, path: list[int], produced: int) -> int:
-    """Of the `produced` tokens of a step that accepted `path` (node indices) in `tree`, those only a draft
-    proposed: its own nodes (past an EOS, none)."""
-    return sum(LOOKUP_RANK in tree.paths[node - 1] for node in path[1:produced])
-
-
-def step_cost(ladder: Ladder, context: int, batch: int, nodes: int):
-    """cost(n) for LookupDraft.chain: the time of a step of `nodes` + n nodes as a share of one of `nodes`, from the
-    ladder's calibrated step latencies per tree size at this context and batch size (linear between sizes, and on
-    past the largest along its last segment); FIXED_NODE_COST a node where the ladder measured none."""
-    if len(ladder.trees) == 1:
-        return lambda more: 1 + FIXED_NODE_COST * more
-    sizes, seconds = [tree.num_nodes for tree in ladder.trees], ladder.latency(context, batch)
-
-    def at(n: int) -> float:
-        i = next((i for i in range(1, len(sizes) - 1) if sizes[i] >= n), len(sizes) - 1)
-        return seconds[i - 1] + (n - sizes[i - 1]) * (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
-
-    base = at(nodes)
-    return lambda more: at(nodes + more) / base
