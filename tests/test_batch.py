@@ -13,9 +13,10 @@ from conftest import FAMILIES, needs_native
 from engine_helpers import decode, greedy_reference, lively_model, random_heads
 from test_kernels import gguf_model
 
+from medusa_decoding import decoding
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch
-from medusa_decoding.kernels import use_kernels
+from medusa_decoding.kernels import set_guess_vocab, use_kernels
 from medusa_decoding.tree import Tree
 
 PROMPTS = [torch.randint(1, 96, (n,), generator=torch.Generator().manual_seed(n)) for n in (5, 17, 30, 11)]
@@ -106,3 +107,34 @@ def test_a_list_of_prompts_with_a_streamer_or_a_bad_batch_size_is_refused(smollm
         smollm.generate(["a", "b"], streamer=object())
     with pytest.raises(ValueError, match="max_batch"):
         smollm.generate(["a", "b"], max_batch=0)
+
+
+FREQUENT = torch.arange(8)  # a guess vocabulary far smaller than the tokens the rows use: their own tokens matter
+
+
+@needs_native
+@pytest.mark.parametrize("kind", ["medusa", "hydra"])
+def test_rows_guess_their_own_tokens_beside_the_guess_vocabulary_and_stay_lossless(kind, monkeypatch):
+    """Each row guesses from the guess vocabulary and its own tokens (its prompt's, then its answer's as they come):
+    other per row, growing as it decodes. Every row is still its greedy decoding, in a batch and alone, and every
+    candidate lies in its row's vocabulary of the moment, its own tokens among them."""
+    model = use_kernels(lively_model("llama"), "native")
+    set_guess_vocab(model, FREQUENT)
+    heads = random_heads(model, kind=kind)
+    proposed = []  # (the candidates, the row's vocabulary then)
+    real = decoding.propose
+
+    def watching(*args, own=None, **kwargs):
+        tokens, guesses = real(*args, own=own, **kwargs)
+        proposed.append((tokens[1:].tolist(), set(FREQUENT.tolist()) | set(own.ids.tolist())))
+        return tokens, guesses
+
+    monkeypatch.setattr(decoding, "propose", watching)
+    configs = [GenerationConfig(max_new_tokens=n, lookup=0) for n in BUDGETS]
+    outs = batched(model, heads, configs)
+    for i, (prompt, config) in enumerate(zip(PROMPTS, configs)):
+        assert outs[i] == greedy_reference(model, prompt, config.max_new_tokens), f"row {i}"
+        assert outs[i] == alone(model, heads, prompt, config, TREES[i])
+    assert all(set(tokens) <= vocabulary for tokens, vocabulary in proposed)
+    assert sum(token not in FREQUENT for tokens, _ in proposed for token in tokens) > len(proposed)
+    assert len({len(vocabulary) for _, vocabulary in proposed}) > 4  # the vocabularies differ and grow

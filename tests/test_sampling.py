@@ -9,7 +9,7 @@ import copy
 
 import pytest
 import torch
-from conftest import FAMILIES, needs_compiler
+from conftest import FAMILIES, needs_compiler, needs_native
 from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 from scipy.stats import chisquare
 
@@ -19,7 +19,7 @@ from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import Guard, Ladder
-from medusa_decoding.kernels import compile_error, use_kernels
+from medusa_decoding.kernels import compile_error, set_guess_vocab, use_kernels
 from medusa_decoding.tree import Tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -121,6 +121,8 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     pytest.param("engine, compiled", {"top_k": 4, "top_p": 0.8}, marks=needs_compiler),  # and the device's filters
     pytest.param("engine, confident trees, compiled", {}, marks=needs_compiler),  # the device's likeliest nodes
     ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
+    # candidates from a guess vocabulary of one token and the row's own (the prompt's, then the answer's)
+    pytest.param("engine, own tokens", {}, marks=needs_native),
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
     ("doubles-acceptance", {}),  # accepts with min(1, 2 p) instead of p
     # the device's draws in [0, 0.5): accepts with min(1, 2 p), samples low tokens
@@ -137,6 +139,9 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     heads = random_heads(model, kind="hydra") if verifier.endswith("hydra heads") else heads
     if verifier.endswith("compiled"):
         model = compiled_copy(model, monkeypatch)
+    if verifier.endswith("own tokens"):
+        model = use_kernels(copy.deepcopy(model), "native")  # the kernels that give the heads a guess vocabulary
+        set_guess_vocab(model, torch.tensor([0]))
     config = GenerationConfig(max_new_tokens=MEASURED + 1, temperature=1.0, acceptance="rejection", **filters)
     tree = Tree.from_spec(WIDE)
     if "confident trees" in verifier:

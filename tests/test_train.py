@@ -230,9 +230,9 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
 
 @pytest.mark.parametrize("vocab", [None, torch.tensor([3, 9, 4, 20, 7])])
 def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_token(tokenizer, vocab):
-    """targets "teacher": head k at t learns the model's own distribution at t+k+1 (over the guess vocabulary where
-    there is one), computed here from the model's logits by hand; cached positions give the same (their states
-    ahead kept in bfloat16: to a thousandth)."""
+    """targets "teacher": head k at t learns the model's own distribution at t+k+1 (over the guess vocabulary and the
+    batch's targets beside it where there is one), computed here from the model's logits by hand; cached positions
+    give the same (their states ahead kept in bfloat16: to a thousandth)."""
     model = model_for(tokenizer)
     with torch.no_grad():
         model.lm_head.weight.mul_(30)  # a teacher sure of its next token, which differs from position to position
@@ -240,12 +240,13 @@ def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_toke
     heads, wrapper = random_heads(model, config, vocab)
     examples = build_examples(tokenizer, counting(6), 64)
     batch = collate(examples, pad_id=0)
-    columns = slice(None) if vocab is None else vocab
     with torch.no_grad():
         whole = wrapper(**batch)["loss"]
         hidden, state = run_backbone(model, (), input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
-        teacher = model.lm_head(hidden)[..., columns].log_softmax(-1)  # [B, T, V']: the model's at each position
         state, targets, path, _ = at_answers(state, batch["input_ids"], batch["labels"], num_heads=3)
+        extra = targets[targets != I].unique()  # the batch's targets outside the vocabulary, ranked beside it
+        columns = slice(None) if vocab is None else torch.cat([vocab, extra[~torch.isin(extra, vocab)]])
+        teacher = model.lm_head(hidden)[..., columns].log_softmax(-1)  # [B, T, V']: the model's at each position
         guesses = heads(state, model.lm_head, embeds=model.get_input_embeddings()(path))[..., columns].log_softmax(-1)
         positions = (torch.stack([future_labels(batch["labels"], k + 2) for k in range(3)]) != I).any(0).nonzero()
 

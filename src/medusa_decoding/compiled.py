@@ -146,9 +146,10 @@ class Compiled:
         """The step's width: the guard's pick, whatever the budget or confidence leaves of it (one graph a size)."""
         return max(plan.nodes for plan in plans)
 
-    def candidates(self, *args):
+    def candidates(self, *args, own=None):
         """proposal.candidates as a graph (one per heads and tree); copies: a CUDA graph's outputs live until its
-        next replay."""
+        next replay. The rows' `own` tokens are not guessed here: their number changes every step, and a graph
+        takes fixed shapes (the guess vocabulary alone, as on the device step)."""
         return tree_map(torch.clone, graph(candidates, self.model.device.type)(*args))
 
     def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:

@@ -142,8 +142,9 @@ class TrainConfig:
     lora_alpha: int = 16
     lora_dropout: float = 0.05
     quantize: str | None = None  # MEDUSA-1: load the frozen backbone in 8bit / 4bit (bitsandbytes, GPU)
-    # MEDUSA-1, shared projection: the heads' loss ranks the N tokens the training answers use most (0: all), as they
-    # guess on a CPU (calibrate's guess_vocab): the projection onto 49k tokens is most of a CPU step
+    # MEDUSA-1, shared projection: the heads' loss ranks the N tokens the training answers use most (0: all) and the
+    # batch's targets beside them, as they guess on a CPU (calibrate's guess_vocab, and each row's own tokens): the
+    # projection onto 49k tokens is most of a CPU step
     guess_vocab: int = 0
     # MEDUSA-1: > 0 computes the frozen backbone's states at the answer positions once (batch_size conversations at a
     # time) and trains on shuffled batches of this many positions; 0 trains on batches of batch_size conversations

@@ -26,7 +26,7 @@ from .heads import MedusaHeads
 from .kernels import guess_projection
 from .lookup import LookupDraft
 from .proposers import Proposer, drafted, graft, step_cost, worth
-from .proposal import candidates
+from .proposal import RowTokens, candidates
 from .tree import Tree, build, node_index, on_device, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -37,7 +37,8 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
 
 
 def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
-            run=candidates, keep: bool = True) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+            run=candidates, keep: bool = True, own: RowTokens | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
     """Propose: the step's tokens [N+1] (the root, then the candidates of `tree`) and the heads' guesses for the guard.
 
     watched: the tree whose nodes the heads guess for (it holds `tree`'s: the guard watches its ladder's largest);
@@ -45,13 +46,14 @@ def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root:
     each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`candidates`):
     guesses {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
     run: how proposal.candidates runs (the engine's: a graph on the compiled one); keep: False where the guard reads
-    no guesses (a fixed tree), which spares hydra heads a read of the device.
+    no guesses (a fixed tree), which spares hydra heads a read of the device; own: the row's own tokens, guessed
+    beside the guess vocabulary.
     """
     root_token = torch.tensor([root], device=heads_input.device)
     if watched is None:
         return root_token, None
     tokens, tops = run(heads, lm_head, embed, heads_input[None], root_token, on_device(watched, heads_input.device),
-                       watched.topk_per_head())
+                       watched.topk_per_head(), own=None if own is None else own.own())
     tokens, tops = tokens[0], tops[:, 0] if heads.config.kind == "medusa" else [top[0] for top in tops]
     tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths, tokens.device)]
     if heads.config.kind == "medusa" or not keep:
@@ -132,6 +134,7 @@ class Row:
     heads_input: torch.Tensor  # [S] the heads' input state at the token before the root, which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
     produced: int = 1  # tokens produced so far, the root included
+    own: RowTokens | None = None  # its tokens outside the heads' guess vocabulary, guessed beside it
     proposers: list[Proposer] = field(default_factory=list)  # sources of candidates besides the heads (proposers.py)
     drafted: int = 0  # of the last step's tokens, those only a proposer proposed
     key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
@@ -178,14 +181,23 @@ class Batch:
         with torch.inference_mode():
             cache, logits, state = self.engine.prefill(prompt)
             root = first_token(logits, config, generator)
-            proposers = [LookupDraft(prompt.tolist() + [root], config.lookup)] if config.medusa and config.lookup else []
+            seen = prompt.tolist() + [root]
+            proposers = [LookupDraft(seen, config.lookup)] if config.medusa and config.lookup else []
             row = Row(config, Guard(ladder, root), eos_ids, generator, root, state, prompt.shape[-1],
-                      proposers=proposers, key=draw_key(generator) if config.temperature > 0 else 0)
+                      own=self.own_tokens(seen) if config.medusa else None, proposers=proposers,
+                      key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
                 kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
                 self.rows.append(row)
         return row
+
+    def own_tokens(self, tokens: list[int]) -> RowTokens | None:
+        """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it."""
+        vocabulary = None if self.heads is None else self.heads.guess_rows(self.lm_head)
+        if vocabulary is None:
+            return None
+        return RowTokens(vocabulary, self.model.get_output_embeddings().weight.detach(), tokens)
 
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per
@@ -229,7 +241,7 @@ class Batch:
         else:
             step_tree = tree.truncated(budget)
             tokens, guesses = propose(self.heads, self.lm_head, self.embed, row.heads_input, row.root, step_tree,
-                                      watched, run=self.engine.candidates, keep=row.guard.watching)
+                                      watched, run=self.engine.candidates, keep=row.guard.watching, own=row.own)
         # a cut or grafted tree is not the ladder's; a seeded run repeats: its guard follows the tokens, not the clock
         plan = Plan(step_tree, tokens, guesses, False, nodes + sum(p.max_length for p in row.proposers))
         self.graft(row, plan, budget)
@@ -266,6 +278,8 @@ class Batch:
         row.guard.record(plan.guesses, new, seconds if plan.timed and len(self.rows) == 1 else None, row.length)
         for proposer, nodes in zip(row.proposers, plan.chains):
             proposer.record(nodes, path, new)
+        if row.own is not None:
+            row.own.extend(new)
         row.drafted = drafted(plan.tree, path, len(new))
         row.root, row.length, row.produced = new[-1], row.length + len(path), row.produced + len(new)
         return row, new, plan.tree.num_nodes - 1
@@ -280,6 +294,8 @@ class Batch:
             row.root, row.produced = new[-1], row.produced + len(new)
             for proposer in row.proposers:  # the device step verifies the heads' tree alone
                 proposer.record([], [0], new)
+            if row.own is not None:
+                row.own.extend(new)
             events.append((row, new, tree.num_nodes - 1))
         self.engine.settled()
         return events

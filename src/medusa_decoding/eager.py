@@ -75,9 +75,9 @@ class Eager:
         """The step's width: the largest tree to verify."""
         return max(plan.tree.num_nodes for plan in plans)
 
-    def candidates(self, *args):
-        """proposal.candidates, run as it is."""
-        return candidates(*args)
+    def candidates(self, *args, own=None):
+        """proposal.candidates, run as it is, the rows' own tokens guessed beside the guess vocabulary."""
+        return candidates(*args, own=own)
 
     def verify(self, cache: Cache, packed: Packed) -> tuple[torch.Tensor, torch.Tensor, None]:
         """One pass over every row's tree -> (logits [B, T, V], the heads' input states [B, T, S], None: no greedy

@@ -16,6 +16,7 @@ reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,14 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(inputs))
 
 
+class OwnTokens(NamedTuple):
+    """Rows' own tokens outside the guess vocabulary (their prompt's and their answer's so far: answers reuse their
+    prompt's words and names), guessed beside it: ids [B, E] and their LM head rows [B, E, H]."""
+
+    ids: torch.Tensor
+    weight: torch.Tensor
+
+
 class MedusaHeads(nn.Module):
     """K heads. `forward(hidden, lm_head)` -> logits [K, ..., V]; `lm_head` is used when shared.
 
@@ -95,6 +104,11 @@ class MedusaHeads(nn.Module):
         first; head k reads the first k+1). Shared heads go through the LM head in one call: its weight, a fifth of
         a small model's, is read once.
         """
+        return self.project(self.states(hidden, num_heads, embeds, first), lm_head, first)
+
+    def states(self, hidden: torch.Tensor, num_heads: int | None = None, embeds: torch.Tensor | None = None,
+               first: int = 0) -> torch.Tensor:
+        """forward's residual blocks alone: [K', ..., H], what each head projects onto the vocabulary."""
         if self.config.kind == "hydra" and embeds is None:
             raise ValueError("hydra heads read the tokens before their guess: pass embeds")
         size, fused = self.config.hidden_size, len(self.config.feature_layers)
@@ -112,20 +126,32 @@ class MedusaHeads(nn.Module):
             for block in blocks[1:]:
                 x = block(x)
             states.append(x)
+        return torch.stack(states)
+
+    def project(self, states: torch.Tensor, lm_head: nn.Module | None, first: int = 0) -> torch.Tensor:
+        """states [K', ..., H] (of heads first..) -> their logits [K', ..., V]."""
         if self.config.projection == "own":
             return torch.stack([self.heads[k][-1](x) for k, x in enumerate(states, first)])
         if lm_head is None:
             raise ValueError("these heads share the base model's LM head: pass lm_head")
-        return lm_head(torch.stack(states))
+        return lm_head(states)
 
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None,
-                embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:
-        """hidden: [..., H] -> token ids [K', ..., k]: each head's top k (heads and embeds as in forward). A shared
-        projection onto part of the vocabulary (a guess copy with `rows`, kernels.set_guess_vocab) ranks those
-        tokens only."""
-        top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
+                embeds: torch.Tensor | None = None, first: int = 0, own: "OwnTokens | None" = None) -> torch.Tensor:
+        """hidden: [B, ..., H] -> token ids [K', B, ..., k]: each head's top k (heads and embeds as in forward). A
+        shared projection onto part of the vocabulary (a guess copy with `rows`, kernels.set_guess_vocab) ranks those
+        tokens only, and each row's `own` tokens beside them (its prompt's and answer's outside those rows)."""
         rows = self.guess_rows(lm_head)
-        return top if rows is None else rows[top]
+        if own is None or rows is None or not own.ids.shape[1]:
+            top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
+            return top if rows is None else rows[top]
+        states = self.states(hidden, num_heads, embeds, first)
+        logits = self.project(states, lm_head, first)
+        logits = torch.cat([logits, torch.einsum("kb...h,beh->kb...e", states.to(own.weight.dtype), own.weight)
+                            .to(logits.dtype)], -1)
+        columns = torch.cat([rows.expand(len(own.ids), -1), own.ids], 1)  # [B, V' + E]: each column's token
+        top = logits.topk(k, dim=-1).indices
+        return columns[torch.arange(len(own.ids), device=top.device).view(1, -1, *[1] * (top.dim() - 2)), top]
 
     def guess_rows(self, lm_head: nn.Module | None) -> torch.Tensor | None:
         """The token ids of the logits' columns where the heads guess from part of the vocabulary (a shared

@@ -41,7 +41,7 @@ from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
 from .positions import (HEAD_OFFSET, ahead_states, answer_mask, answer_positions, at_answers, future_labels,
                         path_embeddings)
 
-OUTSIDE = -1  # the label of an answer token outside the guess vocabulary (TrainConfig.guess_vocab): never guessed
+OUTSIDE = -1  # a token's place where it is neither in the guess vocabulary (TrainConfig.guess_vocab) nor a target
 TOPK_ACCURACY = 5
 LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
 CHECKPOINTS = "checkpoints"
@@ -117,11 +117,9 @@ def teacher_probs(lm_head, ahead: torch.Tensor | None) -> torch.Tensor | None:
 
 def weighted_ce(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
                 teacher: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk: to the target tokens
-    (one OUTSIDE the guess vocabulary counts nothing), or to `teacher` [K, n, V], the frozen model's distributions
-    (teacher_probs), wherever there is a target."""
+    """logits [K, n, V], targets [K, n] -> sum_k weights_k * CE of head k summed over the chunk: to the target tokens,
+    or to `teacher` [K, n, V], the frozen model's distributions (teacher_probs), wherever there is a target."""
     if teacher is None:
-        targets = targets.masked_fill(targets == OUTSIDE, IGNORE_INDEX)
         losses = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none")
     else:
         losses = F.cross_entropy(logits.float().flatten(0, 1), teacher.flatten(0, 1), reduction="none")
@@ -179,10 +177,15 @@ class MedusaTrainingModel(nn.Module):
         ahead = None if ahead is None else ahead.to(lm_head.weight.dtype)
         embeds = path_embeddings(self.heads.config, self.causal_lm.get_input_embeddings(), path)
         projection = lm_head
-        if self.vocab is not None:  # the rows of the guess vocabulary, gathered once a step (the LM head is frozen)
-            projection = partial(F.linear, weight=lm_head.weight[self.vocab.to(targets.device)])
-            place = self.place.to(targets.device)[targets.clamp(min=0)]
-            targets = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, place)
+        if self.vocab is not None:  # the guess vocabulary's rows and the batch's own targets beside them, gathered
+            # once a step (the LM head is frozen): decoding guesses a row's own tokens beside the vocabulary
+            # (proposal.RowTokens), so the heads learn to rank every answer token, not the vocabulary's alone
+            vocab, place = self.vocab.to(targets.device), self.place.to(targets.device)
+            extra = targets[targets != IGNORE_INDEX].unique()
+            extra = extra[place[extra] == OUTSIDE]
+            place = place.index_copy(0, extra, torch.arange(len(vocab), len(vocab) + len(extra), device=extra.device))
+            projection = partial(F.linear, weight=lm_head.weight[torch.cat([vocab, extra])])
+            targets = torch.where(targets == IGNORE_INDEX, IGNORE_INDEX, place[targets.clamp(min=0)])
         loss, hits = heads_loss(self.heads, projection, state, targets, self.train_config.decay, embeds, ahead,
                                 None if counts is None else counts[:num_heads])
         loss = heads_weight * loss
