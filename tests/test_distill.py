@@ -1,6 +1,7 @@
 """Self-distillation: input formats, multi-turn history, batching, resume without duplicates, the CLI."""
 
 import json
+import lzma
 from pathlib import Path
 
 import pytest
@@ -57,6 +58,9 @@ def test_reads_seed_sharegpt_and_mt_bench_records(tmp_path):
     assert read_prompts(seed) == [Prompt("a", ("w1 w2",))]
     bench = write_jsonl(tmp_path / "bench.jsonl", [{"question_id": 81, "category": "writing", "turns": ["w1", "w2"]}])
     assert read_prompts(bench) == [Prompt("81", ("w1", "w2"))]
+    packed = tmp_path / "bench.jsonl.xz"  # as the larger distilled sets ship
+    packed.write_bytes(lzma.compress(bench.read_bytes()))
+    assert read_prompts(packed) == [Prompt("81", ("w1", "w2"))]
 
 
 def test_reads_the_shipped_prompt_sets():
@@ -110,6 +114,23 @@ def test_batched_turns_answer_as_one_prompt_at_a_time(medusa, tmp_path, config):
     batched = {r["id"]: r for r in lines(tmp_path / "batched.jsonl")}
     assert batched == {r["id"]: r for r in lines(tmp_path / "single.jsonl")} and len(batched) == len(prompts)
     assert len({r["conversations"][1]["value"] for r in batched.values()}) > 1  # not one answer for all
+
+
+def test_a_conversations_next_turn_goes_first_so_a_kill_loses_little(medusa, tmp_path, monkeypatch):
+    """A follow-up turn is decoded before new conversations start: each conversation is written as soon as it can
+    be, not after every first turn of the run."""
+    started = []  # per conversation started, the records written by then
+    out = tmp_path / "out.jsonl"
+    real_add = distill_module.Requests.add
+
+    def add(self, n, *args, **kwargs):
+        started.append(len(lines(out)) if out.exists() else 0)
+        return real_add(self, n, *args, **kwargs)
+
+    monkeypatch.setattr(distill_module.Requests, "add", add)
+    prompts = [Prompt(f"t{i}", ("w3 w4", "w5")) for i in range(4)]
+    distill(medusa, prompts, out, DistillConfig(max_new_tokens=4, temperature=0.0, batch_size=1), progress=False)
+    assert started == [0, 0, 1, 1, 2, 2, 3, 3]  # first turn, second turn, written; the next conversation
 
 
 def test_a_conversation_past_the_context_is_skipped_or_cut_before_the_turn_that_does_not_fit(medusa, tmp_path):

@@ -10,6 +10,7 @@ Input records, from a JSON file (a list of records) or JSONL (one record a line)
 """
 
 import json
+import lzma
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,8 +30,9 @@ class Prompt:
 
 
 def read_records(path: str | Path) -> list[dict]:
-    """All records of a JSON or JSONL file."""
-    text = Path(path).read_text()
+    """All records of a JSON or JSONL file, or of one compressed with xz (`.xz`: how the larger distilled sets ship)."""
+    path = Path(path)
+    text = lzma.open(path, "rt").read() if path.suffix == ".xz" else path.read_text()
     if not text.strip():
         raise ValueError(f"{path} is empty")
     try:

@@ -113,10 +113,10 @@ def distill(medusa: MedusaModel, prompts: list[Prompt], output: str | Path, conf
                 if not step.done:
                     continue
                 chats[n].append({"role": "assistant", "content": step.text.strip()})
-                if len(chats[n]) // 2 < len(todo[n].turns):
-                    waiting.append(n)
+                if len(chats[n]) // 2 < len(todo[n].turns):  # its next turn first: what is done is written
+                    waiting.appendleft(n)
                 else:
                     finish(n)
             stats.seconds = time.perf_counter() - start
-            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}")
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.1f}", refresh=False)  # at the bar's own pace
     return stats
