@@ -328,7 +328,8 @@ def test_step_latency_times_each_tree_alone_whatever_the_text_repeats(oracle, mo
         assert widths == [[tree.num_nodes] for _ in range(7) for tree in trees], measure.__name__
 
 
-def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys):
+@pytest.mark.parametrize("vocab_data", [False, True], ids=["vocab from the data", "vocab from --vocab-data"])
+def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one_thread, capsys, vocab_data):
     model = lively_model("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
@@ -340,9 +341,11 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
     data[0].write_text("".join(records[:2]))
     data[1].write_text(records[2])
     main(["calibrate", "--data", *map(str, data), "--heads", str(tmp_path / "heads"), "--model", str(tmp_path / "base"),
-          "--max-nodes", "5", "--output", str(tmp_path / "out"), "--guess-vocab", "20", "--kernels", EXACT_KERNELS])
+          "--max-nodes", "5", "--output", str(tmp_path / "out"), "--guess-vocab", "20", "--kernels", EXACT_KERNELS,
+          *(["--vocab-data", str(data[1])] if vocab_data else [])])  # the vocabulary of one answer's tokens alone
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
-    chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in records]
+    counted = records[2:] if vocab_data else records
+    chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in counted]
     answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6

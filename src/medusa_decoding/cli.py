@@ -335,8 +335,9 @@ def cmd_calibrate(args) -> None:
         raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
     config = CalibrateConfig(max_nodes=args.max_nodes, max_positions=args.max_positions, guess_vocab=args.guess_vocab)
     conversations = read_data(args.data)[: args.limit]  # before the model loads: bad data fails at once
+    vocab_conversations = read_data(args.vocab_data) if args.vocab_data else None
     medusa = load(args)
-    result = calibrate(medusa, conversations, config)
+    result = calibrate(medusa, conversations, config, vocab_conversations)
     print("accuracy a_k^(i): P(head k's rank-i token is correct)")
     print("        " + "".join(f"{f'r{i}':>7}" for i in range(len(result.accuracy[0]))))
     for k, row in enumerate(result.accuracy):
@@ -540,6 +541,8 @@ def main(argv=None) -> None:
     p.add_argument("--max-positions", type=int, default=CALIBRATE.max_positions, help="answer tokens measured")
     p.add_argument("--guess-vocab", type=int, default=CALIBRATE.guess_vocab,
                    help="on a CPU the heads guess from the N tokens the data's answers use most (0: all)")
+    p.add_argument("--vocab-data", nargs="+", help="count the guess vocabulary on these conversations' answers "
+                   "instead (the heads' training data: the vocabulary their training ranked)")
     p.add_argument("--limit", type=int, help="only the first N conversations")
     p.add_argument("--output", help="where tree.json, accuracy.json and the plots go (default: the heads directory)")
     p.set_defaults(run=cmd_calibrate, tree=None)  # load() reads --tree; calibration makes the tree
