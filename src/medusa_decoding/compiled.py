@@ -148,7 +148,7 @@ class Compiled:
 
     def candidates(self, *args, own=None):
         """proposal.candidates as a graph (one per heads and tree); copies: a CUDA graph's outputs live until its
-        next replay. The rows' `own` tokens are not guessed here: their number changes every step, and a graph
+        next replay. Its rows have no `own` tokens (Batch.own_tokens): their number changes every step, and a graph
         takes fixed shapes (the guess vocabulary alone, as on the device step)."""
         return tree_map(torch.clone, graph(candidates, self.model.device.type)(*args))
 

@@ -193,8 +193,9 @@ class Batch:
         return row
 
     def own_tokens(self, tokens: list[int]) -> RowTokens | None:
-        """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it."""
-        vocabulary = None if self.heads is None else self.heads.guess_rows(self.lm_head)
+        """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it (not on the
+        compiled engine: its graphs take fixed shapes)."""
+        vocabulary = None if self.heads is None or isinstance(self.engine, Compiled) else self.heads.guess_rows(self.lm_head)
         if vocabulary is None:
             return None
         return RowTokens(vocabulary, self.model.get_output_embeddings().weight.detach(), tokens)
