@@ -1,6 +1,6 @@
 """Heads side by side on answers no training saw (issue 71), as decoding guesses on a CPU: each head's top-1 and top-5,
 teacher-forced, ranking the heads' guess vocabulary (their calibration's) and the row's own tokens of the moment (its
-prompt's and its answer's up to the token before the guess: proposal.RowTokens) - or, with --vocab-only, the guess
+prompt's and its answer's up to the token before the guess: heads.OwnTokens) - or, with --vocab-only, the guess
 vocabulary alone, as before own tokens were guessed. Per category of the held-out files; a table, JSON and a PNG.
 usage: .venv/bin/python benchmarks/heads_heldout.py NAME=HEADS_DIR... --heldout NAME=FILE... --questions FILE...
            --json P --png P [--vocab-only]

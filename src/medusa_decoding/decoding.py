@@ -22,11 +22,11 @@ from .config import GenerationConfig
 from .device_acceptance import draw_key
 from .eager import Eager, Packed
 from .guard import Guard, Ladder, batch_yields
-from .heads import MedusaHeads
+from .heads import MedusaHeads, OwnTokens
 from .kernels import guess_projection
 from .lookup import LookupDraft
 from .proposers import Proposer, drafted, graft, step_cost, worth
-from .proposal import RowTokens, candidates
+from .proposal import candidates
 from .tree import Tree, build, node_index, on_device, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -37,7 +37,7 @@ def first_token(logits: torch.Tensor, config: GenerationConfig, generator) -> in
 
 
 def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
-            run=candidates, keep: bool = True, own: RowTokens | None = None
+            run=candidates, keep: bool = True, own: OwnTokens | None = None
             ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
     """Propose: the step's tokens [N+1] (the root, then the candidates of `tree`) and the heads' guesses for the guard.
 
@@ -53,7 +53,7 @@ def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root:
     if watched is None:
         return root_token, None
     tokens, tops = run(heads, lm_head, embed, heads_input[None], root_token, on_device(watched, heads_input.device),
-                       watched.topk_per_head(), own=None if own is None else own.own())
+                       watched.topk_per_head(), own=own)
     tokens, tops = tokens[0], tops[:, 0] if heads.config.kind == "medusa" else [top[0] for top in tops]
     tokens = tokens if tree is watched else tokens[node_index(watched.paths, tree.paths, tokens.device)]
     if heads.config.kind == "medusa" or not keep:
@@ -134,7 +134,7 @@ class Row:
     heads_input: torch.Tensor  # [S] the heads' input state at the token before the root, which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
     produced: int = 1  # tokens produced so far, the root included
-    own: RowTokens | None = None  # its tokens outside the heads' guess vocabulary, guessed beside it
+    own: OwnTokens | None = None  # its tokens outside the heads' guess vocabulary, guessed beside it
     proposers: list[Proposer] = field(default_factory=list)  # sources of candidates besides the heads (proposers.py)
     drafted: int = 0  # of the last step's tokens, those only a proposer proposed
     key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
@@ -192,13 +192,13 @@ class Batch:
                 self.rows.append(row)
         return row
 
-    def own_tokens(self, tokens: list[int]) -> RowTokens | None:
+    def own_tokens(self, tokens: list[int]) -> OwnTokens | None:
         """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it (not on the
         compiled engine: its graphs take fixed shapes)."""
         vocabulary = None if self.heads is None or isinstance(self.engine, Compiled) else self.heads.guess_rows(self.lm_head)
         if vocabulary is None:
             return None
-        return RowTokens(vocabulary, self.model.get_output_embeddings().weight.detach(), tokens)
+        return OwnTokens(vocabulary, self.model.get_output_embeddings().weight.detach(), tokens)
 
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per

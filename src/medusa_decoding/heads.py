@@ -16,7 +16,6 @@ reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives
 import json
 from dataclasses import asdict
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -62,12 +61,27 @@ class ResBlock(nn.Module):
         return x + nn.functional.silu(self.linear(inputs))
 
 
-class OwnTokens(NamedTuple):
-    """Rows' own tokens outside the guess vocabulary (their prompt's and their answer's so far: answers reuse their
-    prompt's words and names), guessed beside it: ids [B, E] and their LM head rows [B, E, H]."""
+class OwnTokens:
+    """One row's own tokens outside the heads' guess vocabulary: its prompt's, then its answer's as it grows. On
+    held-out answers a fifth of the tokens lie outside SmolLM2's 4096 commonest, and most of those the row has seen
+    already (answers reuse their prompt's words and names: benchmarks/guess_vocab_coverage.py): guessed beside the
+    vocabulary, they cost a few hundred LM head rows, not all of them. columns [V' + E]: the token of each column
+    the heads rank (the vocabulary's, then the row's own); weight [E, H]: the own tokens' LM head rows."""
 
-    ids: torch.Tensor
-    weight: torch.Tensor
+    def __init__(self, vocabulary: torch.Tensor, lm_weight: torch.Tensor, tokens: list[int]):
+        self.known = torch.zeros(lm_weight.shape[0], dtype=torch.bool, device=lm_weight.device)
+        self.known[vocabulary] = True
+        self.lm_weight = lm_weight
+        self.columns = vocabulary
+        self.weight = lm_weight[:0]
+        self.extend(tokens)
+
+    def extend(self, tokens: list[int]) -> None:
+        new = torch.tensor(list(dict.fromkeys(tokens)), dtype=torch.long, device=self.known.device)
+        new = new[~self.known[new]]
+        if len(new):
+            self.known[new] = True
+            self.columns, self.weight = torch.cat([self.columns, new]), torch.cat([self.weight, self.lm_weight[new]])
 
 
 class MedusaHeads(nn.Module):
@@ -137,21 +151,18 @@ class MedusaHeads(nn.Module):
         return lm_head(states)
 
     def guesses(self, hidden: torch.Tensor, lm_head: nn.Module | None, k: int, num_heads: int | None = None,
-                embeds: torch.Tensor | None = None, first: int = 0, own: "OwnTokens | None" = None) -> torch.Tensor:
+                embeds: torch.Tensor | None = None, first: int = 0, own: OwnTokens | None = None) -> torch.Tensor:
         """hidden: [B, ..., H] -> token ids [K', B, ..., k]: each head's top k (heads and embeds as in forward). A
         shared projection onto part of the vocabulary (a guess copy with `rows`, kernels.set_guess_vocab) ranks those
-        tokens only, and each row's `own` tokens beside them (its prompt's and answer's outside those rows)."""
+        tokens only, and, for one row's states, its `own` tokens beside them."""
         rows = self.guess_rows(lm_head)
-        if own is None or rows is None or not own.ids.shape[1]:
+        if own is None or rows is None or not len(own.weight):
             top = self(hidden, lm_head, num_heads, embeds, first).topk(k, dim=-1).indices
             return top if rows is None else rows[top]
         states = self.states(hidden, num_heads, embeds, first)
         logits = self.project(states, lm_head, first)
-        logits = torch.cat([logits, torch.einsum("kb...h,beh->kb...e", states.to(own.weight.dtype), own.weight)
-                            .to(logits.dtype)], -1)
-        columns = torch.cat([rows.expand(len(own.ids), -1), own.ids], 1)  # [B, V' + E]: each column's token
-        top = logits.topk(k, dim=-1).indices
-        return columns[torch.arange(len(own.ids), device=top.device).view(1, -1, *[1] * (top.dim() - 2)), top]
+        logits = torch.cat([logits, (states.to(own.weight.dtype) @ own.weight.T).to(logits.dtype)], -1)
+        return own.columns[logits.topk(k, dim=-1).indices]
 
     def guess_rows(self, lm_head: nn.Module | None) -> torch.Tensor | None:
         """The token ids of the logits' columns where the heads guess from part of the vocabulary (a shared

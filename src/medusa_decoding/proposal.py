@@ -7,31 +7,6 @@ from .heads import OwnTokens
 from .tree import Tree, from_parents
 
 
-class RowTokens:
-    """One row's own tokens outside the heads' guess vocabulary: its prompt's, then its answer's as it grows, with
-    their LM head rows. On held-out answers a fifth of the tokens lie outside SmolLM2's 4096 commonest, and most of
-    those the row has seen already (benchmarks/guess_vocab_coverage.py): guessed beside the vocabulary, they cost a
-    few hundred rows, not the whole LM head."""
-
-    def __init__(self, vocabulary: torch.Tensor, lm_weight: torch.Tensor, tokens: list[int]):
-        self.known = torch.zeros(lm_weight.shape[0], dtype=torch.bool, device=lm_weight.device)
-        self.known[vocabulary] = True  # the guess vocabulary's and, as they come, the row's own
-        self.lm_weight = lm_weight
-        self.ids = torch.zeros(0, dtype=torch.long, device=lm_weight.device)
-        self.weight = lm_weight[:0]
-        self.extend(tokens)
-
-    def extend(self, tokens: list[int]) -> None:
-        new = torch.tensor(list(dict.fromkeys(tokens)), dtype=torch.long, device=self.ids.device)
-        new = new[~self.known[new]]
-        if len(new):
-            self.known[new] = True
-            self.ids, self.weight = torch.cat([self.ids, new]), torch.cat([self.weight, self.lm_weight[new]])
-
-    def own(self) -> OwnTokens:
-        return OwnTokens(self.ids[None], self.weight[None])
-
-
 def candidates(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, tree: Tree, k: int,
                own: OwnTokens | None = None) -> tuple[torch.Tensor, torch.Tensor | list[torch.Tensor]]:
     """hidden [B, S] (the heads' input states), root [B] -> the tokens of every node of `tree` per row [B, N+1] (the
@@ -39,7 +14,7 @@ def candidates(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, 
     the children of the nodes at depth d are head d's top-k given each node's path (the root and the candidates after
     it), one head call per depth; per depth the top-k of each node expanded there ([B, n_d, k], in the order of
     tree.levels). Eagerly on a GPU a level costs more in launches than in arithmetic: the compiled engine runs this
-    as a graph. own: the rows' own tokens, guessed beside the guess vocabulary (RowTokens)."""
+    as a graph. own: one row's own tokens, guessed beside the guess vocabulary."""
     if heads.config.kind == "medusa":
         guesses = heads.guesses(hidden, lm_head, k, tree.depth, own=own)
         return torch.cat([root[:, None], guesses[tree.heads, :, tree.ranks].T], 1), guesses

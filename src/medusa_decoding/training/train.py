@@ -179,7 +179,7 @@ class MedusaTrainingModel(nn.Module):
         projection = lm_head
         if self.vocab is not None:  # the guess vocabulary's rows and the batch's own targets beside them, gathered
             # once a step (the LM head is frozen): decoding guesses a row's own tokens beside the vocabulary
-            # (proposal.RowTokens), so the heads learn to rank every answer token, not the vocabulary's alone
+            # (heads.OwnTokens), so the heads learn to rank every answer token, not the vocabulary's alone
             vocab, place = self.vocab.to(targets.device), self.place.to(targets.device)
             extra = targets[targets != IGNORE_INDEX].unique()
             extra = extra[place[extra] == OUTSIDE]
