@@ -16,10 +16,11 @@ from medusa_decoding.cli import main
 from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
-from medusa_decoding.training import train as train_module
+from medusa_decoding.training import states as states_module, train as train_module
 from medusa_decoding.training.positions import at_answers, future_labels
+from medusa_decoding.training.states import AnswerStates
 from medusa_decoding.training.train import (
-    AnswerStates, MedusaTrainingModel, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
+    MedusaTrainingModel, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
     prepare_backbone, train,
 )
 
@@ -365,6 +366,40 @@ def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path,
         whole, resumed = load_file(tmp_path / "whole" / name), load_file(tmp_path / "killed" / name)
         assert whole.keys() == resumed.keys()
         assert all(torch.equal(whole[k], resumed[k]) for k in whole), name
+
+
+def test_a_run_killed_while_computing_states_goes_on_from_its_parts(tokenizer, tmp_path, monkeypatch):
+    """With position_batch the backbone's states are kept in parts as they are computed: a run killed among them
+    computes, resumed, only the parts it lacks or cannot trust (a damaged file, another part's states), ends with
+    the heads of a run never killed, and leaves no states behind."""
+    monkeypatch.setattr(states_module, "PART", 4)
+    config = TrainConfig(**{**CONFIG.__dict__, "max_steps": 6, "save_steps": 100, "eval_fraction": 0.0,
+                            "position_batch": 32})
+    data = counting(20)  # 5 parts
+    train(model_for(tokenizer), tokenizer, data, tmp_path / "whole", config)
+    assert not (tmp_path / "whole" / "states").exists()
+    computed, real, kill_at = [], states_module.compute_part, [3]
+
+    def computing(*args):
+        if len(computed) == kill_at[0]:
+            raise KeyboardInterrupt("killed")
+        computed.append(args[2])  # the part's conversations
+        return real(*args)
+
+    monkeypatch.setattr(states_module, "compute_part", computing)
+    with pytest.raises(KeyboardInterrupt):
+        train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config)
+    parts = sorted((tmp_path / "killed" / "states" / "train").glob("part-*.safetensors"))
+    assert [p.name for p in parts] == ["part-00000.safetensors", "part-00001.safetensors", "part-00002.safetensors"]
+    parts[1].write_bytes(b"\0" * 100)
+    shutil.copy(parts[0], parts[2])
+    computed.clear()
+    kill_at[0] = None
+    train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config, resume=True)
+    assert len(computed) == 4  # parts 1 to 4
+    assert not (tmp_path / "killed" / "states").exists()
+    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
+    assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
 def test_cli_trains_from_a_distilled_file_and_starts_from_init_heads(tokenizer, tmp_path):

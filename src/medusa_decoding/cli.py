@@ -410,7 +410,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=TRAIN.seed)
     add("--init-heads", help="start from these trained heads instead of fresh ones (MEDUSA heads may start hydra "
         "heads, and heads may start deeper ones: --num-layers more; the new weights start at zero, the logits unchanged)")
-    add("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT/checkpoints")
+    add("--resume", action="store_true", help="continue from the last checkpoint in OUTPUT/checkpoints (with "
+        "--position-batch, states already computed in OUTPUT/states are read back whether or not)")
     add("--merge", action="store_true", help="medusa2: also write the merged model to OUTPUT/model")
 
 

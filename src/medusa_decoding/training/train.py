@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import json
 import math
+import shutil
 from dataclasses import asdict, replace
 from functools import partial
 from pathlib import Path
@@ -38,41 +39,15 @@ from ..heads import MedusaHeads, run_backbone
 from ..base import load_base, untie_output_embeddings
 from ..formats import ADAPTER_DIR, MERGED_DIR, TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
-from .positions import (HEAD_OFFSET, ahead_states, answer_mask, answer_positions, at_answers, future_labels,
-                        path_embeddings)
+from .positions import HEAD_OFFSET, ahead_states, answer_mask, at_answers, future_labels, path_embeddings
+from .states import AnswerStates
 
 OUTSIDE = -1  # a token's place where it is neither in the guess vocabulary (TrainConfig.guess_vocab) nor a target
 TOPK_ACCURACY = 5
 LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
 CHECKPOINTS = "checkpoints"
+STATES = "states"  # position_batch: the backbone's states, kept in parts until the run ends (states.AnswerStates)
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
-
-
-class AnswerStates(torch.utils.data.Dataset):
-    """MEDUSA-1 with position_batch: the frozen backbone's states at every answer position, computed once (each epoch
-    would compute the same ones again), so that a batch is positions drawn from many conversations. The heads then
-    get many more updates per hour: benchmarks/feature_probe.py showed head 0 held back by its number of updates.
-    Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K), and with `teacher` ahead
-    [K, H] (ahead_states; kept in bfloat16: K times the size of the states)."""
-
-    def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                 batch_size: int, what: str, teacher: bool = False):
-        from tqdm.auto import tqdm
-
-        examples = sorted(examples, key=lambda e: len(e["input_ids"]))  # batches of alike lengths: little padding
-        batches = tqdm(answer_positions(model, heads, examples, pad_id, batch_size, teacher),
-                       desc=f"states of {what}", total=math.ceil(len(examples) / batch_size), unit="batch")
-        found = [(s.cpu(), t.cpu(), p.cpu(), *(a.cpu().bfloat16() for a in ahead)) for s, t, p, *ahead in batches]
-        state, targets, path, *ahead = zip(*found)
-        self.state, self.targets, self.path = torch.cat(state), torch.cat(targets, 1).T.contiguous(), torch.cat(path)
-        self.ahead = torch.cat(ahead[0]) if ahead else None
-
-    def __len__(self) -> int:
-        return len(self.state)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        item = {"state": self.state[i], "targets": self.targets[i], "path": self.path[i]}
-        return item if self.ahead is None else item | {"ahead": self.ahead[i]}
 
 
 def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targets: torch.Tensor, decay: float,
@@ -447,8 +422,8 @@ def train(
     if merge and config.mode != "medusa2":
         raise ValueError(f"merge: only a medusa2 run has an adapter to merge, got mode {config.mode!r}")
     last = last_checkpoint(output / CHECKPOINTS)
-    if resume and last is None:
-        raise ValueError(f"resume: no checkpoint in {output / CHECKPOINTS}")
+    if resume and last is None and not (output / STATES).is_dir():
+        raise ValueError(f"resume: no checkpoint in {output / CHECKPOINTS} and no states in {output / STATES}")
     if not resume and last is not None:
         raise ValueError(f"output: {output} already holds checkpoints ({last}); resume, or choose another directory")
     set_seed(config.seed)
@@ -462,8 +437,9 @@ def train(
     if config.position_batch:
         states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size,
                          teacher=config.targets == "teacher")
-        train_data, collator = states(train_set, what="the training conversations"), None
-        eval_data = states(eval_set, what="the held-out conversations") if eval_set else None
+        train_data = states(train_set, what="the training conversations", store=output / STATES / "train")
+        eval_data = states(eval_set, what="the held-out conversations", store=output / STATES / "eval") if eval_set else None
+        collator = None
     trainer = MedusaTrainer(
         model=wrapper,
         args=training_arguments(output, config, evaluate=bool(eval_set)),
@@ -475,12 +451,13 @@ def train(
         medusa=config,
         ramp=init_heads is None,
     )
-    trainer.train(resume_from_checkpoint=str(last) if resume else None)
+    trainer.train(resume_from_checkpoint=str(last) if resume and last is not None else None)
     accuracy = head_accuracy(trainer.evaluate(), heads.config.num_heads, len(eval_set)) if eval_set else {}
     if wrapper.adapted and eval_set:
         accuracy["lm_top1_agreement"] = lm_agreement(wrapper, eval_set, pad_id, config.batch_size)
     if trainer.is_world_process_zero():  # under several processes (accelerate launch, torchrun) one writes
         save(wrapper, tokenizer, output, config, accuracy, merge)
+        shutil.rmtree(output / STATES, ignore_errors=True)
     return accuracy
 
 
