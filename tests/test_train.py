@@ -209,7 +209,7 @@ def random_heads(model, config: TrainConfig, vocab: torch.Tensor | None):
 
 
 @pytest.mark.parametrize("kind, layers, vocab", [("medusa", (), None), ("hydra", (1,), torch.tensor([3, 9, 4, 20]))])
-def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, kind, layers, vocab):
+def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, tmp_path, kind, layers, vocab):
     """AnswerStates hold exactly what training reads of a batch of conversations: forward on all of its positions
     gives the same loss and hits, with or without a guess vocabulary."""
     model = model_for(tokenizer)
@@ -217,7 +217,8 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
                          guess_vocab=0 if vocab is None else len(vocab))
     heads, wrapper = random_heads(model, config, vocab)
     examples = build_examples(tokenizer, counting(6), 64)
-    states = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test")
+    states = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
+                          store=tmp_path)
     # one answer each: some head's target lies in it from K+1 positions before it to 2 before its end
     assert len(states) == sum(sum(label != I for label in e["labels"]) + 3 - 1 for e in examples)
     cached = {k: torch.stack([states[i][k] for i in range(len(states))]) for k in ("state", "targets", "path")}
@@ -230,7 +231,7 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
 
 
 @pytest.mark.parametrize("vocab", [None, torch.tensor([3, 9, 4, 20, 7])])
-def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_token(tokenizer, vocab):
+def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_token(tokenizer, tmp_path, vocab):
     """targets "teacher": head k at t learns the model's own distribution at t+k+1 (over the guess vocabulary and the
     batch's targets beside it where there is one), computed here from the model's logits by hand; cached positions
     give the same (their states ahead kept in bfloat16: to a thousandth)."""
@@ -257,7 +258,8 @@ def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_toke
                        for k in range(3))
 
         expected = by_hand(1)
-        cached = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test", teacher=True)
+        cached = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
+                              store=tmp_path, teacher=True)
         items = {k: torch.stack([cached[i][k] for i in range(len(cached))]) for k in ("state", "targets", "path", "ahead")}
         positions_loss = wrapper(**items)["loss"]
     torch.testing.assert_close(whole, expected)

@@ -31,22 +31,20 @@ class AnswerStates(torch.utils.data.Dataset):
     and its conversations); a part whose fingerprint matches is read back, any other is computed again."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                 batch_size: int, what: str, teacher: bool = False, store: Path | None = None):
+                 batch_size: int, what: str, store: Path, teacher: bool = False):
         from tqdm.auto import tqdm
 
         examples = sorted(examples, key=lambda e: len(e["input_ids"]))  # batches of alike lengths: little padding
-        backbone = backbone_key(model, heads, teacher) if store is not None else None
+        backbone = backbone_key(model, heads, teacher)
         parts = []
         with tqdm(total=len(examples), desc=f"states of {what}", unit="conv") as bar:
             for start in range(0, len(examples), PART):
                 part = examples[start: start + PART]
-                path = None if store is None else store / f"part-{start // PART:05d}.safetensors"
-                key = None if store is None else part_key(backbone, part)
-                found = read_part(path, key) if path is not None else None
+                path, key = store / f"part-{start // PART:05d}.safetensors", part_key(backbone, part)
+                found = read_part(path, key)
                 if found is None:
                     found = compute_part(model, heads, part, pad_id, batch_size, teacher, bar)
-                    if path is not None:
-                        write_part(path, key, found)
+                    write_part(path, key, found)
                 else:
                     bar.update(len(part))
                 parts.append(found)
