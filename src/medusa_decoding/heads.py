@@ -63,10 +63,10 @@ class ResBlock(nn.Module):
 
 class OwnTokens:
     """One row's own tokens outside the heads' guess vocabulary: its prompt's, then its answer's as it grows. On
-    held-out answers a fifth of the tokens lie outside SmolLM2's 4096 commonest, and most of those the row has seen
-    already (answers reuse their prompt's words and names: benchmarks/guess_vocab_coverage.py): guessed beside the
-    vocabulary, they cost a few hundred LM head rows, not all of them. columns [V' + E]: the token of each column
-    the heads rank (the vocabulary's, then the row's own); weight [E, H]: the own tokens' LM head rows."""
+    held-out answers 14% of the tokens lie outside the 4096 SmolLM2's training answers use most, and most of those
+    the row has seen already (answers reuse their prompt's words and names: benchmarks/guess_vocab_coverage.py):
+    guessed beside the vocabulary, they cost a few hundred LM head rows, not all of them. columns [V' + E]: the
+    token of each column the heads rank (the vocabulary's, then the row's own); weight [E, H]: their LM head rows."""
 
     def __init__(self, vocabulary: torch.Tensor, lm_weight: torch.Tensor, tokens: list[int]):
         self.known = torch.zeros(lm_weight.shape[0], dtype=torch.bool, device=lm_weight.device)
