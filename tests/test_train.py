@@ -218,7 +218,7 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
     heads, wrapper = random_heads(model, config, vocab)
     examples = build_examples(tokenizer, counting(6), 64)
     states = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
-                          store=tmp_path)
+                          store=tmp_path, backbone="")
     # one answer each: some head's target lies in it from K+1 positions before it to 2 before its end
     assert len(states) == sum(sum(label != I for label in e["labels"]) + 3 - 1 for e in examples)
     cached = {k: torch.stack([states[i][k] for i in range(len(states))]) for k in ("state", "targets", "path")}
@@ -259,7 +259,7 @@ def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_toke
 
         expected = by_hand(1)
         cached = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
-                              store=tmp_path, teacher=True)
+                              store=tmp_path, backbone="", teacher=True)
         items = {k: torch.stack([cached[i][k] for i in range(len(cached))]) for k in ("state", "targets", "path", "ahead")}
         positions_loss = wrapper(**items)["loss"]
     torch.testing.assert_close(whole, expected)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from ..heads import MedusaHeads
@@ -28,14 +28,14 @@ class AnswerStates(torch.utils.data.Dataset):
     [K, H] (ahead_states; kept in bfloat16: K times the size of the states).
 
     store: a directory for the parts (part-N.safetensors, each with a fingerprint of the backbone, the heads' inputs
-    and its conversations); a part whose fingerprint matches is read back, any other is computed again."""
+    and its conversations); a part whose fingerprint matches is read back, any other is computed again. backbone:
+    backbone_key(model, heads, teacher), hashed once for a run's training and held-out sets."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
-                 batch_size: int, what: str, store: Path, teacher: bool = False):
+                 batch_size: int, what: str, store: Path, backbone: str, teacher: bool = False):
         from tqdm.auto import tqdm
 
         examples = sorted(examples, key=lambda e: len(e["input_ids"]))  # batches of alike lengths: little padding
-        backbone = backbone_key(model, heads, teacher)
         parts = []
         with tqdm(total=len(examples), desc=f"states of {what}", unit="conv") as bar:
             for start in range(0, len(examples), PART):
@@ -97,9 +97,7 @@ def read_part(path: Path, key: str) -> dict[str, torch.Tensor] | None:
         return None
     try:
         with safe_open(str(path), "pt") as f:
-            if (f.metadata() or {}).get("key") != key:
-                return None
-        return load_file(str(path))
+            return {name: f.get_tensor(name) for name in f.keys()} if (f.metadata() or {}).get("key") == key else None
     except Exception as error:  # noqa: BLE001 - a damaged part is computed again, not trusted
         logger.warning("states: %s is unreadable (%s); computing it again", path, error)
         return None

@@ -40,7 +40,7 @@ from ..base import load_base, untie_output_embeddings
 from ..formats import ADAPTER_DIR, MERGED_DIR, TRAIN_ACCURACY_NAME, TRAIN_CONFIG_NAME
 from .data import IGNORE_INDEX, answer_vocab, build_examples, collate, split
 from .positions import HEAD_OFFSET, ahead_states, answer_mask, at_answers, future_labels, path_embeddings
-from .states import AnswerStates
+from .states import AnswerStates, backbone_key
 
 OUTSIDE = -1  # a token's place where it is neither in the guess vocabulary (TrainConfig.guess_vocab) nor a target
 TOPK_ACCURACY = 5
@@ -435,8 +435,9 @@ def train(
     pad_id = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)  # masked out
     train_data, eval_data, collator = train_set, eval_set or None, partial(collate, pad_id=pad_id)
     if config.position_batch:
+        teacher = config.targets == "teacher"
         states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size,
-                         teacher=config.targets == "teacher")
+                         backbone=backbone_key(model, heads, teacher), teacher=teacher)
         train_data = states(train_set, what="the training conversations", store=output / STATES / "train")
         eval_data = states(eval_set, what="the held-out conversations", store=output / STATES / "eval") if eval_set else None
         collator = None
