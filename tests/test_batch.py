@@ -13,7 +13,7 @@ from conftest import FAMILIES, needs_native
 from engine_helpers import decode, greedy_reference, lively_model, random_heads
 from test_kernels import gguf_model
 
-from medusa_decoding import decoding
+from medusa_decoding import heads_draft
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch
 from medusa_decoding.kernels import set_guess_vocab, use_kernels
@@ -122,14 +122,14 @@ def test_rows_guess_their_own_tokens_beside_the_guess_vocabulary_and_stay_lossle
     set_guess_vocab(model, FREQUENT)
     heads = random_heads(model, kind=kind)
     proposed = []  # (the candidates, the row's vocabulary then)
-    real = decoding.propose
+    real = heads_draft.propose
 
     def watching(*args, own=None, **kwargs):
         tokens, guesses = real(*args, own=own, **kwargs)
         proposed.append((tokens[1:].tolist(), set(own.columns.tolist())))
         return tokens, guesses
 
-    monkeypatch.setattr(decoding, "propose", watching)
+    monkeypatch.setattr(heads_draft, "propose", watching)
     configs = [GenerationConfig(max_new_tokens=n, lookup=0) for n in BUDGETS]
     outs = batched(model, heads, configs)
     for i, (prompt, config) in enumerate(zip(PROMPTS, configs)):

@@ -11,7 +11,7 @@ import torch
 from conftest import EXACT_KERNELS, tiny_tokenizer
 from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_reference, lively_model, random_heads
 
-from medusa_decoding import MedusaModel, calibrate, decoding
+from medusa_decoding import MedusaModel, calibrate, decoding, heads_draft
 from medusa_decoding.calibrate import (
     choose_tree,
     expected_acceptance,
@@ -25,7 +25,7 @@ from medusa_decoding.calibrate import (
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
-from medusa_decoding.decoding import propose, propose_confident
+from medusa_decoding.heads_draft import propose, propose_confident
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import guess_projection
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
@@ -307,7 +307,7 @@ def test_step_latency_is_one_positive_time_per_tree(oracle, monkeypatch):
     assert contexts == [8, 32, 1024 - (7 + 2 * (2 + 1) + 2)]
     assert len(latencies) == 3 and all(len(row) == 4 and min(row) > 0 for row in latencies)
     chosen = []  # confident trees' steps are timed as they decode: choosing their nodes included
-    monkeypatch.setattr(decoding, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
+    monkeypatch.setattr(heads_draft, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
     measure_step_latency(medusa, trees[1:], CalibrateConfig(latency_contexts=(32,), latency_repeats=1), confident=True)
     assert sorted(set(chosen)) == [1, 3, 6]
 

@@ -14,9 +14,10 @@ from medusa_decoding import compiled, device_acceptance
 from medusa_decoding.acceptance import greedy
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding.decoding import PLAIN, Batch, Row, propose, propose_confident
+from medusa_decoding.decoding import PLAIN, Batch, Row
 from medusa_decoding.eager import Eager, prefill
 from medusa_decoding.guard import Ladder
+from medusa_decoding.heads_draft import propose, propose_confident
 from medusa_decoding.kernels import use_kernels
 from medusa_decoding.proposal import confident_tree
 from medusa_decoding.tree import Tree, padded
@@ -220,7 +221,7 @@ def test_device_greedy_acceptance_equals_the_eager_rule(spec):
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_the_confident_tree_in_tensors_is_the_one_the_host_chooses(kind):
-    """proposal.confident_tree (fixed shapes, a batch: what a compiled step runs) against decoding.propose_confident
+    """proposal.confident_tree (fixed shapes, a batch: what a compiled step runs) against heads_draft.propose_confident
     (one row, on the host): the same candidates on the same paths (read through the tree tensors' chains), for trees
     smaller and larger than the heads' depth."""
     model = lively_model("llama")

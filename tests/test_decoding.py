@@ -16,7 +16,7 @@ from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, 
                             greedy_reference, lively_model, random_heads, verify)
 from transformers import DynamicCache
 
-from medusa_decoding import MedusaModel, decoding
+from medusa_decoding import MedusaModel, decoding, heads_draft
 from medusa_decoding.base import check_context, context_limit
 from medusa_decoding.cache import allocate, commit
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
@@ -323,7 +323,7 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
     tree = Tree.from_spec(TREES[tree])
     hidden, root = torch.randn(c.model.config.hidden_size), 7
     with torch.no_grad():
-        tokens, guesses = decoding.propose(heads, lm_head, embed, hidden, root, tree, tree)
+        tokens, guesses = heads_draft.propose(heads, lm_head, embed, hidden, root, tree, tree)
         assert tokens[0] == root
         for node, path in enumerate(tree.paths, 1):
             parent = tree.chains[node, : len(path)]  # the root .. the parent
@@ -331,7 +331,7 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
             assert tokens[node] == logits.topk(path[-1] + 1).indices[-1]
             assert guesses[path[:-1]][path[-1]] == tokens[node]
         small = tree.truncated(1)
-        sub, _ = decoding.propose(heads, lm_head, embed, hidden, root, small, tree)
+        sub, _ = heads_draft.propose(heads, lm_head, embed, hidden, root, small, tree)
         assert sub.tolist() == [root] + [int(tokens[tree.paths.index(p) + 1]) for p in small.paths]
     assert len({tuple(guesses[path]) for path in tree.paths if len(path) == 1 and path in guesses}) > 1  # paths matter
 
@@ -358,7 +358,7 @@ def test_confident_tree_holds_the_likeliest_paths(kind):
     hidden, root, size = torch.randn(c.model.config.hidden_size), 7, 4
     scores = {}
     with torch.no_grad():
-        tree, tokens, (tops, ranked) = decoding.propose_confident(heads, lm_head, embed, hidden, root, size, size)
+        tree, tokens, (tops, ranked) = heads_draft.propose_confident(heads, lm_head, embed, hidden, root, size, size)
 
         def walk(path, chain, score):
             if len(path) == 3:

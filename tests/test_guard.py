@@ -10,7 +10,7 @@ import torch
 from conftest import FAMILIES
 from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
 
-from medusa_decoding import decoding
+from medusa_decoding import decoding, heads_draft
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN
@@ -154,8 +154,8 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     model, reference, oracle = llama
     wrong = OracleHeads(model, oracle.sequence)
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
-    propose, choose, guessed, chosen, guards = decoding.propose, Guard.choose, [], [], set()
-    monkeypatch.setattr(decoding, "propose", lambda *args, **kw: (args[-1] is not None and guessed.append(1))
+    propose, choose, guessed, chosen, guards = heads_draft.propose, Guard.choose, [], [], set()
+    monkeypatch.setattr(heads_draft, "propose", lambda *args, **kw: (args[-1] is not None and guessed.append(1))
                         or propose(*args, **kw))
     monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: guards.add(guard)
                         or chosen.append(choose(guard, context, batch, pooled)) or chosen[-1])

@@ -12,8 +12,8 @@ from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch
 from medusa_decoding.guard import Ladder
 from medusa_decoding.lookup import Lookup, LookupDraft
-from medusa_decoding.proposers import DRAFT_RANK, FIXED_NODE_COST, Proposal, graft, step_cost, worth
-from medusa_decoding.tree import Tree
+from medusa_decoding.proposers import DRAFT_RANK, FIXED_NODE_COST, Proposal, StepStart, graft, step_cost, worth
+from medusa_decoding.tree import Tree, build
 
 
 def brute_force(stream: list[int], length: int, max_ngram: int) -> tuple[list[int], int]:
@@ -101,26 +101,43 @@ def test_max_ngram_one_looks_at_the_last_token_only():
 
 def test_a_chain_follows_the_heads_path_where_they_agree_then_hangs_its_own_nodes():
     tree = Tree.from_spec([[0], [1], [0, 0]])  # nodes: 1 (0,), 2 (1,), 3 (0, 0)
-    tokens = [10, 20, 21, 30]  # the root, then the heads' tokens of nodes 1..3
-    merged, merged_tokens, nodes = graft(tree, tokens, [20, 30, 40, 50])  # (0,) and (0, 0) agree, then its own
+    tokens = torch.tensor([10, 20, 21, 30])  # the root, then the heads' tokens of nodes 1..3
+    chain = Proposal.chain([20, 30, 40, 50], 1.0, 4)  # (0,) and (0, 0) agree, then its own
+    merged, merged_tokens, nodes = graft(tree, tokens, chain)
+    merged_tokens = merged_tokens.tolist()
     token_of = dict(zip(merged.paths, merged_tokens[1:]))
     assert merged.num_nodes == tree.num_nodes + 2 and merged_tokens[0] == 10
-    assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:]))  # the heads' nodes as they were
+    assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:].tolist()))  # the heads' as they were
     own = (0, 0, DRAFT_RANK)
     assert [merged.paths[node - 1] for node in nodes] == [(0,), (0, 0), own, own + (DRAFT_RANK,)]
     assert [merged_tokens[node] for node in nodes] == [20, 30, 40, 50]
     assert [int(merged.parents[node]) for node in nodes] == [0] + nodes[:-1]  # one root path
 
-    other, other_tokens, other_nodes = graft(tree, tokens, [99, 20])  # disagrees at once: its own branch
+    other, other_tokens, other_nodes = graft(tree, tokens, Proposal.chain([99, 20], 0.5, 4))  # its own branch at once
     assert [other.paths[n - 1] for n in other_nodes] == [(DRAFT_RANK,), (DRAFT_RANK, DRAFT_RANK)]
     assert [other_tokens[n] for n in other_nodes] == [99, 20]
-    assert graft(tree, tokens, []) == (tree, tokens, [])
+    same, same_tokens, none = graft(tree, tokens, Proposal.chain([], 0.0, 4))
+    assert same is tree and same_tokens.tolist() == tokens.tolist() and none == []
+
+
+def test_the_first_proposal_is_the_tree_and_a_later_tree_joins_it_under_its_own_ranks():
+    """Proposals of any shape: the first, onto the root alone, is the step's tree as it stands (the heads' ranks
+    kept: the guard reads them); a later tree merges node by node, a taken rank moving to the next free one."""
+    heads = Proposal(Tree.from_spec([[0], [1], [0, 0]]), torch.tensor([20, 21, 30]), 1.2, 3)
+    root = torch.tensor([10])
+    tree, tokens, nodes = graft(build(()), root, heads)
+    assert tree is heads.tree and tokens.tolist() == [10, 20, 21, 30] and nodes == [1, 2, 3]
+    second = Proposal(Tree.from_spec([[0], [1], [1, 0]]), [21, 22, 31], 0.5, 3)  # 21 is the heads' (1,): shared
+    merged, merged_tokens, nodes = graft(tree, tokens, second)
+    token_of = dict(zip(merged.paths, merged_tokens[1:].tolist()))
+    assert [merged.paths[n - 1] for n in nodes] == [(1,), (2,), (2, 0)]  # rank 1 was taken: its 22 moves to rank 2
+    assert [token_of[merged.paths[n - 1]] for n in nodes] == [21, 22, 31]
+    assert all(token_of[path] == token for path, token in zip(tree.paths, [20, 21, 30]))
 
 
 def kept(draft: LookupDraft, budget: int, tokens: float, cost) -> list[int]:
-    """What the step keeps of the draft's proposal (decoding.Batch.graft)."""
-    proposal = draft.propose(budget)
-    return proposal.tokens[: worth(proposal, tokens, cost)]
+    """The chain the draft offers a step (decoding.Batch.plan) with `budget` tokens left."""
+    return draft.propose(StepStart(0, torch.zeros(1), 0, budget, 1, None), tokens, cost).tokens
 
 
 def test_the_chain_is_as_long_as_its_expected_tokens_pay_for():
@@ -134,10 +151,10 @@ def test_the_chain_is_as_long_as_its_expected_tokens_pay_for():
 
 def test_worth_keeps_the_prefix_with_the_most_tokens_per_unit_of_time():
     cost = lambda n: 1 + 0.25 * n  # noqa: E731
-    assert worth(Proposal([1, 2, 3], [1.0, 1.0, 1.0]), 1.0, cost) == 3  # sure tokens: (1 + 3) / 1.75 beats the rest
-    assert worth(Proposal([1, 2, 3], [0.9, 0.1, 0.9]), 1.0, cost) == 1  # the second is unlikely: nothing after it
-    assert worth(Proposal([1, 2], [0.2, 0.2]), 1.0, cost) == 0  # not worth a node
-    assert worth(Proposal([], []), 1.0, cost) == 0
+    assert worth([1.0, 1.0, 1.0], 1.0, cost) == (3, 3.0)  # sure tokens: (1 + 3) / 1.75 beats the rest
+    assert worth([0.9, 0.1, 0.9], 1.0, cost) == (1, 0.9)  # the second is unlikely: nothing after it
+    assert worth([0.2, 0.2], 1.0, cost) == (0, 0.0)  # not worth a node
+    assert worth([], 1.0, cost) == (0, 0.0)
 
 
 def test_chains_that_miss_make_the_next_ones_shorter():
@@ -146,10 +163,10 @@ def test_chains_that_miss_make_the_next_ones_shorter():
     before = len(kept(draft, 8, 1.0, cost))
     for _ in range(20):
         chain = kept(draft, 8, 1.0, cost)
-        draft.record(list(range(1, len(chain) + 1)), [0], [])  # nothing of it accepted
+        draft.record(list(range(1, len(chain) + 1)), [0], [], None)  # nothing of it accepted
     after = len(kept(draft, 8, 1.0, cost))
     assert before == 2 and after == 0 and draft.right[2] < 0.15  # the 3-token match missed
-    draft.record([1, 2], [0, 1, 2], [4, 5, 6])  # both right: counted, and the answer extends the index
+    draft.record([1, 2], [0, 1, 2], [4, 5, 6], None)  # both right: counted, and the answer extends the index
     assert draft.index.tokens[-3:] == [4, 5, 6]
 
 
@@ -194,11 +211,11 @@ class FixedChain:
     def __init__(self, continuation: list[int]):
         self.continuation, self.at, self.heard = continuation, 1, []  # the root (continuation[0]) is produced
 
-    def propose(self, budget: int) -> Proposal:
-        chain = self.continuation[self.at : self.at + min(self.max_length, budget)]
-        return Proposal(chain, [1.0] * len(chain))
+    def propose(self, start: StepStart, tokens: float, cost) -> Proposal:
+        chain = self.continuation[self.at : self.at + min(self.max_length, start.budget)]
+        return Proposal.chain(chain, len(chain), self.max_length)
 
-    def record(self, nodes: list[int], path: list[int], new: list[int]) -> None:
+    def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         self.heard.append((nodes, len(path) - 1))
         self.at += len(new)
 

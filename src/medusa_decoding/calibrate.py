@@ -28,7 +28,8 @@ import torch
 from . import cache as kv
 from .config import CalibrateConfig, GenerationConfig
 from .base import context_limit
-from .decoding import Batch, propose, propose_confident
+from .decoding import Batch
+from .heads_draft import propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
 from .kernels import block_codes, code_digest, guess_projection, reads_blocks, reset_kernels, set_guess_vocab
@@ -243,7 +244,7 @@ def measure_yields(medusa, conversations: list[list[dict]], paths: list[Node], s
     """Tokens per step of the static tree of each size (paths[:n]: the greedy order) and of the confident tree of each
     size, counted on about config.simulated_positions answer positions spread over all the data (every s-th position
     of every s-th conversation: neighbours are alike, and files differ), from the decoding loop's own proposals at
-    each (decoding.propose, propose_confident; the root: the answer's next token) and the guard's count of what
+    each (heads_draft.propose, propose_confident; the root: the answer's next token) and the guard's count of what
     each tree accepts of the tokens that follow (guard.yields). What choose_tree predicts from products of
     accuracies, which assumes the heads right or wrong independently, measured; and for confident trees, whose
     nodes change every step, the only prediction there is."""
@@ -336,7 +337,7 @@ def time_steps(batch: Batch, trees: list[Tree], config: CalibrateConfig, rewind=
     for _ in range(config.latency_repeats + 1):
         for tree, timed in zip(trees, times):
             for row in batch.rows:
-                row.guard = Guard(Ladder.fixed(tree, confident), row.root)
+                row.heads.guard = Guard(Ladder.fixed(tree, confident), row.root)
             if batch.engine.device_tree(batch.rows) is not None:  # a step that builds the rows' device state: the next one is timed
                 batch.step()
             synchronize(device)

@@ -143,7 +143,7 @@ class Compiled:
         return cache, logits[0, last].clone(), states[0, last].clone()
 
     def nodes(self, plans: list) -> int:
-        """The step's width: the guard's pick, whatever the budget or confidence leaves of it (one graph a size)."""
+        """The step's width: the room its proposers keep, whatever they offer this step (one graph a size)."""
         return max(plan.nodes for plan in plans)
 
     def candidates(self, *args, own=None):
@@ -183,8 +183,8 @@ class Compiled:
         """(the tree of a step that can run whole on the device, whether its nodes are chosen anew each step: a
         confident tree, of which `tree` is the shape), else None: every row under the same fixed or confident tree
         (not the guard's pick), positions within the model's context for this step and one more (run ahead)."""
-        ladders = {(id(row.guard.ladder.tree), row.guard.ladder.confident): row.guard.ladder for row in rows}
-        if len(ladders) != 1 or any(row.guard.watching for row in rows):
+        ladders = {(id(ladder.tree), ladder.confident): ladder for ladder in (row.heads.guard.ladder for row in rows)}
+        if len(ladders) != 1 or any(row.heads.guard.watching for row in rows):
             return None
         ladder, = ladders.values()
         tree = spanning(ladder.tree.num_nodes - 1, self.heads.config.num_heads) if ladder.confident else ladder.tree

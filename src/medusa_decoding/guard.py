@@ -72,7 +72,7 @@ class Ladder:
     batch_sizes: tuple[int, ...] = (1,)  # batches whose step latency was measured (calibrate), increasing from 1
     batch_latency_s: tuple[tuple[float, ...], ...] | None = None  # [batch_sizes][trees] a whole batch's step seconds
     # confidence-driven: a tree stands for its size only, each step's candidates are the likeliest that many under the
-    # heads' own probabilities (decoding.propose_confident); its calibrated yields, the fixed tree's, are a floor
+    # heads' own probabilities (heads_draft.propose_confident); its calibrated yields, the fixed tree's, are a floor
     confident: bool = False
     guarded: bool = False  # watched by the guard even alone (Ladder.fixed)
 
@@ -153,7 +153,7 @@ class Guard:
 
     def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None) -> tuple[Tree, Tree | None]:
         """The tree of the next step at `context` tokens in a batch of `batch` rows, and the tree the heads guess for in
-        it (decoding.propose): the ladder's largest, which covers every tree, or None (a plain step that does not
+        it (heads_draft.propose): the ladder's largest, which covers every tree, or None (a plain step that does not
         probe). pooled: the batch's mean yields per tree (`batch_yields`), which every row of the batch then follows
         as they stand."""
         if not self.watching:
@@ -190,7 +190,7 @@ class Guard:
 
     def record(self, guesses: torch.Tensor | dict | tuple | None, new: list[int], seconds: float | None, context: int
                ) -> None:
-        """After a step: its guesses (decoding.propose's, or None), the tokens it produced, its seconds (None:
+        """After a step: its guesses (heads_draft.propose's, or None), the tokens it produced, its seconds (None:
         not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
         if not self.watching:
             return

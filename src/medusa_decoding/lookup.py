@@ -4,9 +4,9 @@ Code, quotes and edits repeat their own context, so the tokens that followed the
 the stream's last few tokens are a cheap guess at what comes next, with no model at all.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
-from .proposers import Proposal
+from .proposers import Proposal, StepStart, worth
 
 
 class Lookup:
@@ -64,15 +64,15 @@ class LookupDraft:
         self.counted = [0] * max_ngram
         self.match = 0  # the match length of the last chain offered
 
-    def propose(self, budget: int) -> Proposal:
-        """The continuation of the stream's longest recurring suffix, at most `budget` tokens, each right as often as
-        this match length's tokens have been."""
-        proposal, self.match = self.index.propose(min(self.max_length, budget))
-        return Proposal(proposal, [self.right[self.match - 1]] * len(proposal))
+    def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
+        """The continuation of the stream's longest recurring suffix, each token right as often as this match
+        length's have been, as much of it as pays for its nodes (proposers.worth)."""
+        chain, self.match = self.index.propose(min(self.max_length, start.budget))
+        keep, gained = worth([self.right[self.match - 1]] * len(chain), tokens, cost)
+        return Proposal.chain(chain[:keep], gained, self.max_length)
 
-    def record(self, nodes: list[int], path: list[int], new: list[int]) -> None:
-        """After the step: the chain's `nodes` in the verified tree, the accepted `path` (node indices) and the tokens
-        produced. Counts which chain tokens were right, then extends the index."""
+    def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
+        """Counts which chain tokens were right, then extends the index."""
         match = self.match
         for depth, node in enumerate(nodes, start=1):
             right = depth < len(path) and path[depth] == node

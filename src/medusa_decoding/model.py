@@ -137,7 +137,7 @@ class MedusaModel:
             "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
             a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
             "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
-            probabilities (decoding.propose_confident); "confident:N": N of them every step.
+            probabilities (heads_draft.propose_confident); "confident:N": N of them every step.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
         kernels: "auto" (compiled on a GPU; native on a CPU in float32 where it builds, else stock), "stock",
             "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the

@@ -1,78 +1,110 @@
-"""Sources of candidates beside the heads' tree, behind one small interface (transformers' CandidateGenerator, vLLM's
-proposers): each step a Proposer offers a chain of tokens after the root with each token's chance of being accepted
-given the ones before it; the step keeps the prefix that pays for its verification (`worth`, at the step's
-calibrated cost), grafts it into the tree (`graft`) and afterwards tells the proposer what was verified and accepted.
-The step never asks what kind of proposer it has: a new source of drafts is a class with these two calls (lookup.py's
-LookupDraft is one).
+"""Sources of candidates behind one small interface (transformers' CandidateGenerator, vLLM's proposers): each step
+every Proposer of a row offers a tree of candidates after the root with the tokens it expects them to add; the step
+grafts each offer into one tree (`graft`), verifies it in one pass, and tells every proposer what was verified and
+accepted. The step never asks what kind of proposer it has: the heads (heads_draft.HeadsDraft) and the lookup drafts
+(lookup.LookupDraft) are two; a new source of drafts is one more class with these two calls.
 """
 
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import torch
+
 from .guard import Ladder
 from .tree import Tree, build
 
-DRAFT_RANK = 1 << 16  # a proposer's node's rank in a merged tree: past any head's top-k, so never one of the heads'
+DRAFT_RANK = 1 << 16  # a chain's nodes' rank: past any head's top-k, so never one of the heads'
 FIXED_NODE_COST = 0.1  # a node's cost, as a share of a step, where the ladder has no measured latencies
 
 
 @dataclass(frozen=True)
-class Proposal:
-    """A chain of candidate tokens after the root, and each one's chance of being accepted given the ones before."""
+class StepStart:
+    """What a row's step starts from, for its proposers."""
 
-    tokens: list[int]
-    right: list[float]
+    root: int  # the last token produced: every proposal follows it
+    heads_input: torch.Tensor  # [S] the heads' input state at the token before the root
+    context: int  # the row's cache entries
+    budget: int  # no proposal is deeper: the step never guesses past the row's token budget
+    batch: int  # rows in the step
+    pooled: list[float] | None  # the batch's mean yields per tree of the row's ladder (guard.batch_yields)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Candidates after the root: a tree (its paths are the proposer's names for its nodes), their tokens [N] in node
+    order, the tokens they are expected to add to the step's yield, and the nodes a compiled step keeps for this
+    proposer whatever it offers (one graph a size)."""
+
+    tree: Tree
+    tokens: torch.Tensor | list[int]
+    gained: float
+    room: int
+
+    @staticmethod
+    def chain(tokens: list[int], gained: float, room: int) -> "Proposal":
+        """A chain: each token after the one before it."""
+        return Proposal(build(tuple((DRAFT_RANK,) * depth for depth in range(1, len(tokens) + 1))), tokens, gained, room)
 
 
 class Proposer(Protocol):
-    """One row's source of candidates beside the heads (decoding.Row.proposers)."""
+    """One row's source of candidates (decoding.Row.proposers)."""
 
-    max_length: int  # the most tokens it proposes a step: room a compiled step keeps for it
+    def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
+        """This step's candidates, given what the step yields with the proposals before this one (`tokens`) and
+        cost(n): its time with n more nodes, as a share of its time without them (`worth` weighs the two)."""
 
-    def propose(self, budget: int) -> Proposal:
-        """Up to `budget` tokens to follow the row's last token (none: an empty proposal)."""
-
-    def record(self, nodes: list[int], path: list[int], new: list[int]) -> None:
-        """After the step: its kept tokens' `nodes` in the verified tree (a prefix of its proposal; none kept: []),
-        the accepted `path` (node indices, root first) and the tokens the step produced."""
+    def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
+        """After the step: its proposal's nodes in the verified tree (in its node order), the accepted `path` (node
+        indices, root first), the tokens the step produced and its seconds (None: it verified more than this proposal,
+        or other rows too, so the time is not this proposal's)."""
 
 
-def worth(proposal: Proposal, tokens: float, cost: Callable[[int], float]) -> int:
-    """How many of the proposal's tokens to verify: the prefix with the most expected tokens per unit of step time.
-    tokens: what the step yields without them; cost(n): the step's time with n more nodes, as a share of it without
-    them. A token counts only if every one before it is accepted."""
-    gained, chance, best, best_speed = 0.0, 1.0, 0, tokens
-    for length, right in enumerate(proposal.right, start=1):
-        chance *= right
+def worth(right: list[float], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
+    """How many tokens of a chain to verify, each right with chance right[i] given the ones before: the prefix with
+    the most expected tokens per unit of step time, and the tokens it is expected to add. tokens: what the step
+    yields without it; cost as Proposer.propose's. A token counts only if every one before it is accepted."""
+    gained, chance, best, best_gained, best_speed = 0.0, 1.0, 0, 0.0, tokens
+    for length, p in enumerate(right, start=1):
+        chance *= p
         gained += chance
         if (speed := (tokens + gained) / cost(length)) > best_speed:
-            best, best_speed = length, speed
-    return best
+            best, best_gained, best_speed = length, gained, speed
+    return best, best_gained
 
 
-def graft(tree: Tree, tokens: list[int], chain: list[int]) -> tuple[Tree, list[int], list[int]]:
-    """The heads' tree with its tokens [N+1] (the root first) and a chain after the root -> the merged tree, its
-    tokens, and the chain's nodes in it. Where the chain's tokens are the heads' along a path it follows that path
-    (one node, verified once); from its first other token on it hangs its own nodes there (rank DRAFT_RANK)."""
-    token_of = {(): tokens[0]} | dict(zip(tree.paths, tokens[1:]))
+def graft(tree: Tree, tokens: torch.Tensor, proposal: Proposal) -> tuple[Tree, torch.Tensor, list[int]]:
+    """The step's tree so far with its tokens [N+1] (the root first) and a proposal -> the merged tree, its tokens,
+    and the proposal's nodes in it. The first proposal is the tree as it stands. A later one follows the tree where
+    its tokens are the tree's along a path (one node, verified once); from its first other token on it hangs its own
+    nodes there, under its own ranks (the next free one where taken)."""
+    if tree.num_nodes == 1:
+        added = proposal.tokens if torch.is_tensor(proposal.tokens) else tokens.new_tensor(proposal.tokens)
+        return proposal.tree, torch.cat([tokens, added]), list(range(1, proposal.tree.num_nodes))
+    listed = tokens.tolist()
+    token_of = {(): listed[0]} | dict(zip(tree.paths, listed[1:]))
     child = {(path[:-1], token_of[path]): path for path in tree.paths}
-    node, added, nodes = (), [], []
-    for token in chain:
-        node = child.get((node, token)) or node + (DRAFT_RANK,)
-        if node not in token_of:
-            token_of[node] = token
-            added.append(node)
-        nodes.append(node)
-    merged = build(tree.paths + tuple(added))
+    where = {(): ()}  # the proposal's node -> the merged tree's
+    added = proposal.tokens.tolist() if torch.is_tensor(proposal.tokens) else proposal.tokens
+    for path, token in zip(proposal.tree.paths, added):
+        parent = where[path[:-1]]
+        if (node := child.get((parent, token))) is None:
+            rank = path[-1]
+            while parent + (rank,) in token_of:
+                rank += 1
+            node = parent + (rank,)
+            token_of[node], child[parent, token] = token, node
+        where[path] = node
+    merged = build(tuple(token_of)[1:])
     index = {path: i + 1 for i, path in enumerate(merged.paths)}
-    return merged, [tokens[0]] + [token_of[path] for path in merged.paths], [index[path] for path in nodes]
+    return (merged, tokens.new_tensor([listed[0]] + [token_of[path] for path in merged.paths]),
+            [index[where[path]] for path in proposal.tree.paths])
 
 
 def drafted(tree: Tree, path: list[int], produced: int) -> int:
-    """Of the `produced` tokens of a step that accepted `path` (node indices) in `tree`, those only a proposer
-    proposed: its own nodes (past an EOS, none)."""
-    return sum(DRAFT_RANK in tree.paths[node - 1] for node in path[1:produced])
+    """Of the `produced` tokens of a step that accepted `path` (node indices) in `tree`, those only a chain proposed
+    (its own nodes; past an EOS, none)."""
+    return sum(max(tree.paths[node - 1]) >= DRAFT_RANK for node in path[1:produced])
 
 
 def step_cost(ladder: Ladder, context: int, batch: int, nodes: int) -> Callable[[int], float]:
