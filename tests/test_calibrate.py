@@ -394,12 +394,26 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
     (cached,) = (base.parent / "cache" / "trees").iterdir()
     assert json.loads(cached.read_text())["sizes"] == sizes
 
-    def measure_again(*args, **kwargs):
-        raise AssertionError("the cached fit must be used")
+    record = json.loads(cached.read_text())
+    plain = record["latency_s"][0][0]  # the check of a cached fit times the plain step: here, as the fit did
+
+    def measure_again(medusa, trees, config):
+        if len(trees) > 1:
+            raise AssertionError("the cached fit must be used")
+        return list(config.latency_contexts), [[plain]]
 
     monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
     auto = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS).trees
     assert auto.tree is tree and not auto.confident
+    for factor, refit in ((0.3, False), (3.0, True)):  # a fit faster than now stands; one 3x slower was timed loaded
+        cached.write_text(json.dumps(record | {"latency_s": [[s * factor for s in row] for row in record["latency_s"]]}))
+        if refit:
+            with pytest.raises(AssertionError, match="the cached fit must be used"):
+                MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS)
+        else:
+            kept = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS).trees
+            assert kept.latency_s[0][0] < record["latency_s"][0][0]
+    cached.write_text(json.dumps(record))
     # the same sizes, each step's likeliest
     confident = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident").trees
     assert confident.confident and confident.trees == auto.trees
@@ -415,6 +429,17 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
         MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS)
     fixed = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident:5").trees  # nothing timed
     assert fixed.confident and [t.num_nodes for t in fixed.trees] == [6]
+
+
+def test_a_forced_instruction_set_is_a_setup_of_its_own(oracle, monkeypatch):
+    """The AVX2 build forced on an AVX-512 machine stands for an AVX2 machine: a fit timed on the native build (the
+    calibration's, or a cached one) is not its fit."""
+    medusa, _ = oracle
+    monkeypatch.setattr(calibrate, "cpu_variants", lambda: ["avx512", "avx2", "baseline"])
+    monkeypatch.setattr(calibrate, "variant", lambda: "avx512")
+    native = calibrate.setup(medusa)
+    monkeypatch.setattr(calibrate, "variant", lambda: "avx2")
+    assert calibrate.setup(medusa) == native + ", avx2 build" and "build" not in native
 
 
 def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_sizes_match(base_and_heads):

@@ -32,7 +32,8 @@ from .decoding import Batch
 from .heads_draft import propose, propose_confident
 from .default_model import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
-from .kernels import block_codes, code_digest, guess_projection, reads_blocks, reset_kernels, set_guess_vocab
+from .kernels import (block_codes, code_digest, cpu_variants, guess_projection, reads_blocks, reset_kernels,
+                      set_guess_vocab, variant)
 from .formats import CALIBRATION_NAME, TREE_NAME
 from .training import positions
 from .training import data
@@ -44,6 +45,7 @@ PLOT_NAMES = {"accuracy": "accuracy.png", "tree": "tree.png", "speed": "tokens_p
 DEFAULTS = CalibrateConfig()
 HEADS_CHUNK = 256  # positions per heads call: K x 256 x V logits stay ~200 MB for a 50k vocabulary
 TRIED_SIZES = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64, 80, 96, 128)
+STALE_FIT = 1.4  # a cached fit whose plain step is this much slower than now was timed under load (noise: a few %)
 
 
 def path_probability(path: Node, accuracy: torch.Tensor) -> float:
@@ -368,11 +370,14 @@ def device_name(device: torch.device) -> str:
 
 
 def setup(medusa) -> str:
-    """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks)."""
+    """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks, and
+    the instruction set they were built for where $MEDUSA_ISA forces one this CPU would not pick: the AVX2 build on
+    an AVX-512 machine stands for an AVX2 machine, and its trees are fitted as there)."""
     dtype = str(medusa.model.dtype).removeprefix("torch.")
     blocks = " on GGUF blocks" if reads_blocks(medusa.model) else ""
     kernels = ON_THE_OTHER_ENGINE.get((medusa.kernels, medusa.compiled), medusa.kernels)
-    return f"{device_name(medusa.model.device)}, {dtype}, {kernels} kernels{blocks}"
+    forced = f", {variant()} build" if medusa.model.device.type == "cpu" and variant() != cpu_variants()[0] else ""
+    return f"{device_name(medusa.model.device)}, {dtype}, {kernels} kernels{blocks}{forced}"
 
 
 # what runs where a bench rival decodes the model's kernels (key) on the other engine: its latency is that one's
@@ -570,8 +575,11 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     cached = cache_root() / "trees" / f"{key}.json"
     if cached.is_file():
         record = json.loads(cached.read_text())
-        return ladder(calibration.accuracy, **{name: record[name] for name in FIT},
-                      confident_tokens=tokens if confident else None)
+        if not timed_under_load(medusa, record, config):
+            return ladder(calibration.accuracy, **{name: record[name] for name in FIT},
+                          confident_tokens=tokens if confident else None)
+        print("tree auto: the cached fit's plain step is slower than this machine's now (timed under load): fitting "
+              "again", file=sys.stderr)
     print(f"tree auto: fitting the trees to {here} (once; cached in {cached.parent})", file=sys.stderr)
     fitted = fit_tree(medusa, calibration.accuracy, config, tokens)
     cached.parent.mkdir(parents=True, exist_ok=True)
@@ -581,6 +589,16 @@ def auto_tree(medusa, heads_dir: str | Path, calibration: HeadsCalibration, conf
     tmp.write_text(json.dumps(record) + "\n")
     tmp.replace(cached)  # whole or not at all
     return fitted.ladder(confident)
+
+
+def timed_under_load(medusa, record: dict, config: CalibrateConfig = DEFAULTS) -> bool:
+    """Whether a cached fit's plain step at its shortest context is STALE_FIT times slower than one timed now. Load
+    from elsewhere only slows steps, so such a fit was timed under load, and its trees' relative costs with it;
+    it is fitted again. A fit faster than now stands: this moment is the loaded one, which the guard's own timing
+    corrects."""
+    context = record["contexts"][0]
+    _, ((now, *_),) = measure_step_latency(medusa, [build(())], replace(config, latency_contexts=(context,)))
+    return record["latency_s"][0][0] > STALE_FIT * now
 
 
 def plot(calibration: Calibration, directory: Path, device: str) -> None:
