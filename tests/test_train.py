@@ -371,14 +371,15 @@ def test_a_killed_run_resumes_to_the_same_heads_and_adapter(tokenizer, tmp_path,
 
 
 def test_a_run_killed_while_computing_states_goes_on_from_its_parts(tokenizer, tmp_path, monkeypatch):
-    """With position_batch the backbone's states are kept in parts as they are computed: a run killed among them
-    computes, resumed, only the parts it lacks or cannot trust (a damaged file, another part's states), ends with
-    the heads of a run never killed, and leaves no states behind."""
+    """With position_batch the backbone's states are kept in parts as they are computed, each naming its
+    conversations: a run killed among them, resumed on more data, computes only the conversations no readable part
+    holds (those of a damaged file, of a part overwritten by another, never computed, new), ends with the heads of a
+    run never killed, and leaves no states behind."""
     monkeypatch.setattr(states_module, "PART", 4)
     config = TrainConfig(**{**CONFIG.__dict__, "max_steps": 6, "save_steps": 100, "eval_fraction": 0.0,
                             "position_batch": 32})
-    data = counting(20)  # 5 parts
-    train(model_for(tokenizer), tokenizer, data, tmp_path / "whole", config)
+    data, grown = counting(20), counting(28)  # 5 parts; 8 conversations more
+    train(model_for(tokenizer), tokenizer, grown, tmp_path / "whole", config)
     assert not (tmp_path / "whole" / "states").exists()
     computed, real, kill_at = [], states_module.compute_part, [3]
 
@@ -391,14 +392,14 @@ def test_a_run_killed_while_computing_states_goes_on_from_its_parts(tokenizer, t
     monkeypatch.setattr(states_module, "compute_part", computing)
     with pytest.raises(KeyboardInterrupt):
         train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config)
-    parts = sorted((tmp_path / "killed" / "states" / "train").glob("part-*.safetensors"))
-    assert [p.name for p in parts] == ["part-00000.safetensors", "part-00001.safetensors", "part-00002.safetensors"]
+    parts = sorted((tmp_path / "killed" / "states").glob("part-*.safetensors"))
+    assert len(parts) == 3
     parts[1].write_bytes(b"\0" * 100)
     shutil.copy(parts[0], parts[2])
     computed.clear()
     kill_at[0] = None
-    train(model_for(tokenizer), tokenizer, data, tmp_path / "killed", config, resume=True)
-    assert len(computed) == 4  # parts 1 to 4
+    train(model_for(tokenizer), tokenizer, grown, tmp_path / "killed", config, resume=True)
+    assert sum(map(len, computed)) == 28 - 4  # only the first part's conversations were read back
     assert not (tmp_path / "killed" / "states").exists()
     whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)

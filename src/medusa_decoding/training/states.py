@@ -1,9 +1,11 @@
 """The frozen backbone's states at every answer position, computed once for a MEDUSA-1 run with position_batch, and
 kept on disk in parts as they are computed: on a CPU they are most of a run's time (about 20 minutes per million
 tokens for SmolLM2-135M on 2 cores), so a run killed while computing them goes on from its last part, not from the
-start."""
+start. Each part names its conversations by their content, so a run on more data (or another split of it) computes
+the new conversations' states only."""
 
 import hashlib
+import json
 import logging
 import os
 from pathlib import Path
@@ -14,10 +16,11 @@ from safetensors.torch import save_file
 from transformers import PreTrainedModel
 
 from ..heads import MedusaHeads
-from .positions import answer_positions
+from .positions import answer_mask, answer_positions
 
 logger = logging.getLogger(__name__)
 PART = 256  # conversations a part file holds: about a minute and a half of SmolLM2's states on 2 cores
+FIELDS = ("state", "targets", "path", "ahead")
 
 
 class AnswerStates(torch.utils.data.Dataset):
@@ -27,31 +30,26 @@ class AnswerStates(torch.utils.data.Dataset):
     Items: state [S] (the heads' input state), targets [K], path [K] (tokens t+1..t+K), and with `teacher` ahead
     [K, H] (ahead_states; kept in bfloat16: K times the size of the states).
 
-    store: a directory for the parts (part-N.safetensors, each with a fingerprint of the backbone, the heads' inputs
-    and its conversations); a part whose fingerprint matches is read back, any other is computed again. backbone:
+    store: a directory of parts (part-<hash>.safetensors), each holding some conversations' positions, their keys
+    (conversation_key: the backbone's fingerprint and the conversation) and position counts; the conversations found
+    in any readable part are read back, the others computed, PART at a time, into new parts. backbone:
     backbone_key(model, heads, teacher), hashed once for a run's training and held-out sets."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads, examples: list[dict], pad_id: int,
                  batch_size: int, what: str, store: Path, backbone: str, teacher: bool = False):
         from tqdm.auto import tqdm
 
-        examples = sorted(examples, key=lambda e: len(e["input_ids"]))  # batches of alike lengths: little padding
-        parts = []
-        with tqdm(total=len(examples), desc=f"states of {what}", unit="conv") as bar:
-            for start in range(0, len(examples), PART):
-                part = examples[start: start + PART]
-                path, key = store / f"part-{start // PART:05d}.safetensors", part_key(backbone, part)
-                found = read_part(path, key)
-                if found is None:
-                    found = compute_part(model, heads, part, pad_id, batch_size, teacher, bar)
-                    write_part(path, key, found)
-                else:
-                    bar.update(len(part))
-                parts.append(found)
-        self.state = torch.cat([p["state"] for p in parts])
-        self.targets = torch.cat([p["targets"] for p in parts])
-        self.path = torch.cat([p["path"] for p in parts])
-        self.ahead = torch.cat([p["ahead"] for p in parts]) if teacher else None
+        keys = [conversation_key(backbone, example) for example in examples]
+        found = stored(store)  # conversation key -> (part file, first position, positions)
+        missing = sorted({key: i for i, key in enumerate(keys) if key not in found}.values(),
+                         key=lambda i: len(examples[i]["input_ids"]))  # batches of alike lengths: little padding
+        with tqdm(total=len(examples), initial=len(examples) - len(missing), desc=f"states of {what}", unit="conv") as bar:
+            for start in range(0, len(missing), PART):
+                part = [examples[i] for i in missing[start: start + PART]]
+                path = write_part(store, [keys[i] for i in missing[start: start + PART]],
+                                  *compute_part(model, heads, part, pad_id, batch_size, teacher, bar))
+                found |= index(path)
+        self.state, self.targets, self.path, self.ahead = gather(found, keys, teacher)
 
     def __len__(self) -> int:
         return len(self.state)
@@ -62,7 +60,8 @@ class AnswerStates(torch.utils.data.Dataset):
 
 
 def compute_part(model, heads, examples: list[dict], pad_id: int, batch_size: int, teacher: bool, bar
-                 ) -> dict[str, torch.Tensor]:
+                 ) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """The examples' positions (FIELDS) and how many each example has, in order."""
     found = []
     batches = answer_positions(model, heads, examples, pad_id, batch_size, teacher)
     for start, (state, targets, path, *ahead) in zip(range(0, len(examples), batch_size), batches):
@@ -70,7 +69,9 @@ def compute_part(model, heads, examples: list[dict], pad_id: int, batch_size: in
         bar.update(len(examples[start: start + batch_size]))
     state, targets, path, *ahead = zip(*found)
     part = {"state": torch.cat(state), "targets": torch.cat(targets, 1).T.contiguous(), "path": torch.cat(path)}
-    return part | ({"ahead": torch.cat(ahead[0])} if ahead else {})
+    counts = [int(answer_mask(torch.tensor([e["labels"]]), heads.config.num_heads)[1].sum()) for e in examples]
+    assert sum(counts) == len(part["state"]), "states: positions and their conversations' counts disagree"
+    return part | ({"ahead": torch.cat(ahead[0])} if ahead else {}), counts
 
 
 def backbone_key(model: PreTrainedModel, heads: MedusaHeads, teacher: bool) -> str:
@@ -83,28 +84,58 @@ def backbone_key(model: PreTrainedModel, heads: MedusaHeads, teacher: bool) -> s
     return digest.hexdigest()
 
 
-def part_key(backbone: str, examples: list[dict]) -> str:
-    digest = hashlib.sha256(backbone.encode())
-    for example in examples:
-        digest.update(repr((example["input_ids"], example["labels"])).encode())
-    return digest.hexdigest()
+def conversation_key(backbone: str, example: dict) -> str:
+    return hashlib.sha256((backbone + repr((example["input_ids"], example["labels"]))).encode()).hexdigest()
 
 
-def read_part(path: Path, key: str) -> dict[str, torch.Tensor] | None:
-    """The part at `path` if it holds `key`'s states; None if absent, another key's, or unreadable (a run killed while
-    writing it leaves no such file: write_part writes aside, then renames)."""
-    if not path.exists():
-        return None
+def stored(store: Path) -> dict[str, tuple[Path, int, int]]:
+    """Every conversation in the store's readable parts: key -> (part, its first position there, its positions)."""
+    found = {}
+    for path in sorted(store.glob("part-*.safetensors")):
+        found |= index(path)
+    return found
+
+
+def index(path: Path) -> dict[str, tuple[Path, int, int]]:
+    """A part's conversations (stored's form); none where the part is unreadable (it is computed again, not trusted:
+    a run killed while writing it leaves no such file, write_part writes aside, then renames)."""
     try:
         with safe_open(str(path), "pt") as f:
-            return {name: f.get_tensor(name) for name in f.keys()} if (f.metadata() or {}).get("key") == key else None
+            meta = f.metadata() or {}
+        keys, counts = json.loads(meta["keys"]), json.loads(meta["counts"])
     except Exception as error:  # noqa: BLE001 - a damaged part is computed again, not trusted
-        logger.warning("states: %s is unreadable (%s); computing it again", path, error)
-        return None
+        logger.warning("states: %s is unreadable (%s); computing its conversations again", path, error)
+        return {}
+    starts = [sum(counts[:i]) for i in range(len(counts))]
+    return {key: (path, start, count) for key, start, count in zip(keys, starts, counts)}
 
 
-def write_part(path: Path, key: str, part: dict[str, torch.Tensor]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
+def gather(found: dict[str, tuple[Path, int, int]], keys: list[str], teacher: bool) -> tuple[torch.Tensor | None, ...]:
+    """The conversations' positions in `keys`' order (state, targets, path, ahead or None), read one part at a time
+    into tensors made once: a run's states are gigabytes, and no part is held twice."""
+    wanted = [found[key] for key in keys]
+    total, out = sum(count for _, _, count in wanted), {}
+    by_part: dict[Path, list[tuple[int, int, int]]] = {}
+    at = 0
+    for path, start, count in wanted:
+        by_part.setdefault(path, []).append((at, start, count))
+        at += count
+    for path, pieces in by_part.items():
+        with safe_open(str(path), "pt") as f:
+            for name in FIELDS[: 4 if teacher else 3]:
+                tensor = f.get_tensor(name)
+                if name not in out:
+                    out[name] = tensor.new_empty((total, *tensor.shape[1:]))
+                for to, start, count in pieces:
+                    out[name][to: to + count] = tensor[start: start + count]
+    return tuple(out.get(name) for name in FIELDS)
+
+
+def write_part(store: Path, keys: list[str], part: dict[str, torch.Tensor], counts: list[int]) -> Path:
+    """Writes a part (aside, then renamed: whole or not at all) named by its conversations; returns its path."""
+    store.mkdir(parents=True, exist_ok=True)
+    path = store / f"part-{hashlib.sha256(''.join(keys).encode()).hexdigest()[:16]}.safetensors"
     aside = path.with_suffix(f".{os.getpid()}.tmp")  # processes of one run write the same part: each its own file
-    save_file(part, str(aside), metadata={"key": key})
+    save_file(part, str(aside), metadata={"keys": json.dumps(keys), "counts": json.dumps(counts)})
     os.replace(aside, path)
+    return path

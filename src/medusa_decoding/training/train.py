@@ -438,8 +438,8 @@ def train(
         teacher = config.targets == "teacher"
         states = partial(AnswerStates, model, heads, pad_id=pad_id, batch_size=config.batch_size,
                          backbone=backbone_key(model, heads, teacher), teacher=teacher)
-        train_data = states(train_set, what="the training conversations", store=output / STATES / "train")
-        eval_data = states(eval_set, what="the held-out conversations", store=output / STATES / "eval") if eval_set else None
+        train_data = states(train_set, what="the training conversations", store=output / STATES)
+        eval_data = states(eval_set, what="the held-out conversations", store=output / STATES) if eval_set else None
         collator = None
     trainer = MedusaTrainer(
         model=wrapper,
