@@ -47,11 +47,15 @@ class Row:
     root: int  # the last token produced: the root of the next step's tree
     heads_input: torch.Tensor  # [S] the heads' input state at the token before the root, which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
-    heads: HeadsDraft  # the heads' candidates; its guard's ladder prices every step (and the device step runs them)
-    proposers: list[Proposer]  # every source of candidates, `heads` first (proposers.py)
+    proposers: list[Proposer]  # every source of candidates, the row's HeadsDraft first (proposers.py)
     produced: int = 1  # tokens produced so far, the root included
     drafted: int = 0  # of the last step's tokens, those only a chain proposed
     key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
+
+    @property
+    def heads(self) -> HeadsDraft:
+        """The heads' candidates: their guard's ladder prices every step, and the device step runs them."""
+        return self.proposers[0]
 
     @property
     def done(self) -> bool:
@@ -97,7 +101,7 @@ class Batch:
             heads = HeadsDraft(self.heads, self.lm_head, self.embed, self.engine.candidates, Guard(ladder, root),
                                self.own_tokens(seen) if config.medusa else None, timed=config.seed is None)
             lookup = [LookupDraft(seen, config.lookup)] if config.medusa and config.lookup else []
-            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], heads, [heads, *lookup],
+            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], [heads, *lookup],
                       key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
