@@ -423,6 +423,8 @@ def read_data(paths: list[str]) -> list[list[dict]]:
 
 
 def cmd_train(args) -> None:
+    import torch.distributed
+
     from .training.train import load_backbone, train
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig) if hasattr(args, f.name)})
@@ -430,6 +432,8 @@ def cmd_train(args) -> None:
     model, tokenizer = load_backbone(args.model, config)
     accuracy = train(model, tokenizer, conversations, args.output, config, init_heads=args.init_heads,
                      resume=args.resume, merge=args.merge)
+    if torch.distributed.is_initialized():  # under torchrun: a process exiting with its group live may abort
+        torch.distributed.destroy_process_group()
     for head in accuracy.get("heads", []):
         print(f"head {head['head']} ({head['predicts']}): top-1 {head['top1']:.3f}  top-5 {head['top5']:.3f}")
     print(f"train: heads -> {args.output}", file=sys.stderr)

@@ -459,6 +459,7 @@ def train(
     if trainer.is_world_process_zero():  # under several processes (accelerate launch, torchrun) one writes
         save(wrapper, tokenizer, output, config, accuracy, merge)
         shutil.rmtree(output / STATES, ignore_errors=True)
+    trainer.accelerator.wait_for_everyone()  # every process returns once the output is written
     return accuracy
 
 
