@@ -6,7 +6,7 @@ the stream's last few tokens are a cheap guess at what comes next, with no model
 
 from collections.abc import Callable, Sequence
 
-from .proposers import Proposal, StepStart, worth
+from .proposers import Proposal, StepStart, tally, worth
 
 
 class Lookup:
@@ -49,8 +49,7 @@ class Lookup:
         return [], 0
 
 
-PRIOR, PRIOR_WEIGHT = 0.5, 2  # a chain token's chance of being right before any is counted, worth this many counts
-SMOOTHING = 1 / 16  # the weight of a new count once PRIOR_WEIGHT is outweighed: the estimate follows recent chains
+PRIOR = 0.5  # a chain token's chance of being right before any is counted (proposers.tally)
 
 
 class LookupDraft:
@@ -73,12 +72,5 @@ class LookupDraft:
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         """Counts which chain tokens were right, then extends the index."""
-        match = self.match
-        for depth, node in enumerate(nodes, start=1):
-            right = depth < len(path) and path[depth] == node
-            self.counted[match - 1] += 1
-            weight = max(1 / (PRIOR_WEIGHT + self.counted[match - 1]), SMOOTHING)
-            self.right[match - 1] += weight * (right - self.right[match - 1])
-            if not right:
-                break
+        tally(self.right, self.counted, [self.match - 1] * len(nodes), nodes, path)
         self.index.extend(new)

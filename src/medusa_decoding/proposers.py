@@ -16,6 +16,8 @@ from .tree import Tree, build
 
 DRAFT_RANK = 1 << 16  # a chain's nodes' rank: past any head's top-k, so never one of the heads'
 FIXED_NODE_COST = 0.1  # a node's cost, as a share of a step, where the ladder has no measured latencies
+PRIOR_WEIGHT = 2  # a chain source's prior chance of a token being right counts as this many tokens (`tally`)
+SMOOTHING = 1 / 16  # the weight of a new count once PRIOR_WEIGHT is outweighed: the estimate follows recent chains
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,18 @@ def worth(right: list[float], tokens: float, cost: Callable[[int], float]) -> tu
         if (speed := (tokens + gained) / cost(length)) > best_speed:
             best, best_gained, best_speed = length, gained, speed
     return best, best_gained
+
+
+def tally(right: list[float], counted: list[int], bins: list[int], nodes: list[int], path: list[int]) -> None:
+    """After a step that verified a chain's `nodes` (node indices in its tree, in chain order), each of its tokens up
+    to the first one not accepted on `path` moves the running chance right[bin] (the chain token's bin: what its
+    source was as sure of) toward what happened: a mean over the first PRIOR_WEIGHT counts, then SMOOTHING a count."""
+    for depth, (node, b) in enumerate(zip(nodes, bins), start=1):
+        hit = depth < len(path) and path[depth] == node
+        counted[b] += 1
+        right[b] += max(1 / (PRIOR_WEIGHT + counted[b]), SMOOTHING) * (hit - right[b])
+        if not hit:
+            break
 
 
 def graft(tree: Tree, tokens: torch.Tensor, proposal: Proposal) -> tuple[Tree, torch.Tensor, list[int]]:
