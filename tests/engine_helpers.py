@@ -8,6 +8,7 @@ from conftest import tiny_model
 
 from medusa_decoding import cache as kv
 from medusa_decoding.config import GenerationConfig, HeadsConfig
+from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.decoding import Batch
 from medusa_decoding.eager import Eager, prefill, step_forward
 from medusa_decoding import native_layers
@@ -135,12 +136,12 @@ class OracleHeads(torch.nn.Module):
 
 
 def decode(model, heads: MedusaHeads | None, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
-           eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None, compiled: bool = False
-           ) -> Iterator[tuple[list[int], int]]:
+           eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None, compiled: bool = False,
+           corpus: CorpusIndex | None = None) -> Iterator[tuple[list[int], int]]:
     """One request, a batch of one: the tokens of each forward pass and how many candidates it verified (the
     prefill's one token and 0 first)."""
     batch = Batch(model, heads, compiled)
-    row = batch.join(prompt, config, trees, eos_ids, generator)
+    row = batch.join(prompt, config, trees, eos_ids, generator, corpus)
     yield [row.root], 0
     while batch.rows:
         (_, new, size), = batch.step()

@@ -17,6 +17,7 @@ from medusa_decoding import bench as bench_module
 from medusa_decoding.acceptance import RULES
 from medusa_decoding.bench import DECODERS, benchmark, plot, read_questions, table
 from medusa_decoding.calibrate import expected_acceptance
+from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.cli import main, rival_specs
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import Guard, Ladder
@@ -54,6 +55,13 @@ def questions(tmp_path_factory):
 @pytest.fixture(scope="module")
 def greedy(tiny, questions) -> dict:
     return benchmark(tiny, questions, GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False)
+
+
+def test_corpus_drafts_run_beside_medusa_without_them(tiny, questions, monkeypatch):
+    """Where the heads have a corpus index, MEDUSA without its corpus drafts runs on every turn too."""
+    monkeypatch.setattr(tiny, "corpus", CorpusIndex.build([(list(range(3, 40)) * 2, [True] * 74)], min_seen=1))
+    report = benchmark(tiny, questions[:1], GenerationConfig(max_new_tokens=TOKENS, lookup=0), progress=False)
+    assert set(report["overall"]["tokens_per_s"]) == {*DECODERS, bench_module.NO_CORPUS} and report["lossless"] is True
 
 
 def test_lookup_drafts_run_beside_medusa_without_them(tiny, questions):

@@ -15,6 +15,7 @@ from transformers import TextIteratorStreamer, TextStreamer
 import medusa_decoding.model as model_module
 from medusa_decoding import GenerationConfig, HeadsConfig, MedusaHeads, MedusaModel, Tree
 from medusa_decoding.base import context_limit
+from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.formats import TREE_NAME
 from medusa_decoding.guard import Ladder
 
@@ -259,6 +260,17 @@ def test_save_and_load_restore_heads_and_tree(tmp_path, smollm):
     expected = saved.heads.state_dict()
     assert all(torch.equal(value, expected[name]) for name, value in loaded.heads.state_dict().items())
     assert loaded.generate(PROMPT, max_new_tokens=8).token_ids == saved.generate(PROMPT, max_new_tokens=8).token_ids
+
+
+def test_the_corpus_index_is_saved_and_loaded_with_the_heads_and_kept_by_views(tmp_path, smollm):
+    saved = MedusaModel(smollm.model, smollm.tokenizer, random_heads(smollm.model, num_heads=2), Tree.from_spec([2]))
+    saved.corpus = CorpusIndex.build([(list(range(100, 140)) * 3, [True] * 120)], min_seen=1)
+    saved.save_pretrained(tmp_path)
+    loaded = MedusaModel.from_pretrained(heads=tmp_path)
+    assert loaded.corpus.next([101, 102]) == saved.corpus.next([101, 102]) == (103, pytest.approx(3 / 4, abs=1e-3))
+    assert loaded.with_heads(loaded.heads, [[0]]).corpus is loaded.corpus  # a request's own tree keeps the index
+    out = loaded.generate("Count from 100 up.", max_new_tokens=12)
+    assert out.token_ids == loaded.generate("Count from 100 up.", max_new_tokens=12, corpus=0).token_ids
 
 
 def test_an_answer_decoded_piece_by_piece_is_the_whole_decode(smollm):

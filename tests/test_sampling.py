@@ -17,6 +17,7 @@ from medusa_decoding import acceptance, device_acceptance
 from medusa_decoding.acceptance import sample, target_probs
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
+from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.guard import Guard, Ladder
 from medusa_decoding.kernels import compile_error, set_guess_vocab, use_kernels
@@ -100,12 +101,13 @@ def small_model():
     return model, random_heads(model)
 
 
-def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, compiled: bool = False) -> torch.Tensor:
+def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, compiled: bool = False,
+         corpus: CorpusIndex | None = None) -> torch.Tensor:
     """Counts [V, V, V] of the first three tokens over `samples` full decode runs (one seeded generator)."""
     generator = torch.Generator().manual_seed(0)
     counts = torch.zeros(VOCAB, VOCAB, VOCAB, dtype=torch.long)
     for _ in range(samples):
-        steps = decode(model, heads, PROMPT, config, tree, generator=generator, compiled=compiled)
+        steps = decode(model, heads, PROMPT, config, tree, generator=generator, compiled=compiled, corpus=corpus)
         tokens = [t for step, _ in steps for t in step]
         counts[tuple(tokens[:MEASURED])] += 1
     return counts
@@ -121,6 +123,7 @@ def draw(model, heads, config: GenerationConfig, tree, samples: int = SAMPLES, c
     pytest.param("engine, compiled", {"top_k": 4, "top_p": 0.8}, marks=needs_compiler),  # and the device's filters
     pytest.param("engine, confident trees, compiled", {}, marks=needs_compiler),  # the device's likeliest nodes
     ("engine, lookup drafts alone", {}),  # candidates copied from the text (lookup.py), on plain steps
+    ("engine, corpus drafts alone", {}),  # candidates from an index of other text (corpus.py), on plain steps
     # candidates from a guess vocabulary of one token and the row's own (the prompt's, then the answer's)
     pytest.param("engine, own tokens", {}, marks=needs_native),
     ("keeps-rejected", {}),  # forgets to remove a rejected candidate from the residual distribution
@@ -146,9 +149,12 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
     tree = Tree.from_spec(WIDE)
     if "confident trees" in verifier:
         tree = Ladder.fixed(tree, confident=True)
-    if verifier.endswith("lookup drafts alone"):  # every verifier but this one has the drafts beside the heads
+    corpus = None
+    if verifier.endswith("corpus drafts alone"):  # an index of text that repeats: confident, often wrong chains
+        corpus = CorpusIndex.build([([1, 4, 2, 5, 3, 0, 1, 2] * 8, [True] * 64)], min_seen=1)
+    if verifier.endswith("drafts alone"):  # every verifier but these has the lookup drafts beside the heads
         tree = PLAIN
-        sizes = [size for seed in range(20) for _, size in decode(model, heads, PROMPT, config, tree,
+        sizes = [size for seed in range(20) for _, size in decode(model, heads, PROMPT, config, tree, corpus=corpus,
                                                                   generator=torch.Generator().manual_seed(seed))]
         assert sum(sizes) >= 10  # the drafts' nodes were verified
     if verifier.endswith("sampled tokens"):
@@ -156,7 +162,7 @@ def test_rejection_sampling_keeps_the_distribution(small_model, monkeypatch, ver
         tree = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
         monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: (
             trees[guard.generated[-1] % len(trees)], guard.watched))
-    counts = draw(model, heads, config, tree, compiled=verifier.endswith("compiled"))
+    counts = draw(model, heads, config, tree, compiled=verifier.endswith("compiled"), corpus=corpus)
     p_value = goodness_of_fit(counts, exact_joint(model, **filters))
     if verifier.startswith("engine"):
         assert p_value > PASS_P

@@ -35,7 +35,9 @@ from .tree import Tree
 DECODERS = ("medusa", "plain", "transformers")
 LLAMA_CPP = "llama.cpp"  # a decoder where `benchmark` is given a llama.cpp model
 OTHER_ENGINES = ("transformers", LLAMA_CPP)  # their tokens are not held to plain decoding's (lossless)
-NO_LOOKUP = "medusa, no lookup"  # MEDUSA's heads alone, where the config has lookup drafts: what the drafts add
+NO_LOOKUP = "medusa, no lookup"  # MEDUSA without its lookup drafts, where the config has them: what they add
+NO_CORPUS = "medusa, no corpus"  # MEDUSA without its corpus drafts, where its heads have an index: what they add
+WITHOUT = {NO_LOOKUP: "lookup", NO_CORPUS: "corpus"}  # such variants: the GenerationConfig field they set to 0
 OWN_PLAIN = "/plain"  # NAME/plain: plain decoding on a rival's engine where it is not MEDUSA's, the rival's reference
 STEP_TOKENS = (1, 4, 8, 16)  # the passes whose latency both engines report: plain steps and trees of 3, 7, 15
 WARMUP_TOKENS = 8  # the untimed first generation: loads kernels and allocator pools before the clock runs
@@ -57,7 +59,7 @@ class Totals:
     steps: int = 0
     seconds: float = 0.0
     accept_lengths: Counter = field(default_factory=Counter)
-    drafted: int = 0  # tokens only a lookup draft proposed
+    drafted: int = 0  # tokens only a draft (lookup, corpus) proposed
 
     def add(self, out: GenerationOutput) -> None:
         self.new_tokens += len(out.token_ids)
@@ -143,14 +145,20 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     return GenerationOutput(token_ids=new, accept_lengths=[1] * len(new), text=medusa.decode(new), seconds=seconds)
 
 
+def without(medusa: MedusaModel, config: GenerationConfig) -> tuple[str, ...]:
+    """The variants of MEDUSA with one source of drafts off, for the sources this run decodes with."""
+    return tuple(name for name, field in WITHOUT.items()
+                 if getattr(config, field) and (field != "corpus" or medusa.corpus is not None))
+
+
 def run_decoder(name: str, medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig,
                 llama=None, rivals: dict[str, MedusaModel] | None = None) -> GenerationOutput:
     if rivals and name in rivals:
         return rivals[name].generate(ids, config=config)
     if rivals and name.removesuffix(OWN_PLAIN) in rivals:  # engines round differently: each is held to its own plain
         return rivals[name.removesuffix(OWN_PLAIN)].generate(ids, config=config, medusa=False)
-    if name == NO_LOOKUP:
-        return medusa.generate(ids, config=replace(config, lookup=0))
+    if name in WITHOUT:
+        return medusa.generate(ids, config=replace(config, **{WITHOUT[name]: 0}))
     if name == "transformers":
         return hf_generate(medusa, ids, config)
     if name == LLAMA_CPP:
@@ -168,7 +176,7 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     names = DECODERS + tuple(rivals or ()) + tuple(f"{name}{OWN_PLAIN}" for name, view in (rivals or {}).items()
                                                    if view.compiled != medusa.compiled)
     names += (LLAMA_CPP,) if llama is not None else ()
-    names += (NO_LOOKUP,) if config.lookup else ()
+    names += without(medusa, config)
     fastest: dict[str, GenerationOutput] = {}
     for round_ in range(repeat):
         shift = (turn + round_) % len(names)
@@ -214,8 +222,8 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     # the compiled engine compiles a tree size on its first step: never on the clock (nor a tree the guard picks later)
     for view in (medusa, *(rivals or {}).values(), *swept):
         view.warm_up(warmup, config, WARMUP_TOKENS)
-    if config.lookup:  # MEDUSA without its drafts steps at shapes of its own
-        medusa.warm_up(warmup, replace(config, lookup=0), WARMUP_TOKENS)
+    for name in without(medusa, config):  # MEDUSA without some drafts steps at shapes of its own
+        medusa.warm_up(warmup, replace(config, **{WITHOUT[name]: 0}), WARMUP_TOKENS)
     turns, conversations, sweep_outputs = [], [], [[] for _ in swept]
     total = sum(len(q.turns) for q in questions)
     bar = tqdm(total=total, desc="bench", unit="turn", file=sys.stderr, disable=not progress)
@@ -391,7 +399,7 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "new_tokens": medusa.new_tokens,
         "steps": medusa.steps,
         "accept_lengths": {str(n): medusa.accept_lengths[n] for n in sorted(medusa.accept_lengths)},
-        "drafted_per_step": ratio(medusa.drafted, medusa.steps),  # of its tokens a step, those the lookup drafts gave
+        "drafted_per_step": ratio(medusa.drafted, medusa.steps),  # of its tokens a step, those its drafts gave
         "tree_sizes": {str(n): trees[n] for n in sorted(trees)},  # MEDUSA's steps by candidates verified
         "mean_tree_size": ratio(sum(n * c for n, c in trees.items()), trees.total()),
         "plain_step_share": ratio(trees[0], trees.total()),
@@ -456,7 +464,7 @@ def table(report: dict) -> str:
                 rows.append(f"{rival[:22]:<22} {name[:14]:<14} {s['tokens_per_s'][rival]:>7.1f} "
                             f"{r['acceleration_rate']:>11.2f} {r['overhead']:>8.2f} {r['speedup']:>7.2f}x "
                             f"{r['speedup_vs_transformers']:>5.2f}x {r['speedup_vs_medusa']:>8.2f}x")
-    rows.append("drafted: of MEDUSA's tokens a step, those only its lookup drafts proposed; tree: its mean candidates "
+    rows.append("drafted: of MEDUSA's tokens a step, those only its drafts proposed; tree: its mean candidates "
                 "per step; plain steps: its steps that verified no candidate (the guard of --tree auto)")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     if report["lossless"] is False:

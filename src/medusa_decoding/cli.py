@@ -6,10 +6,12 @@ import os
 import sys
 import time
 from dataclasses import fields
+from pathlib import Path
 
 from .config import ACCEPTANCE_RULES, DEFAULT_MODEL, EXPORT_FORMATS, GenerationConfig, ServerConfig
 from .config import (HEAD_KINDS, HEAD_TARGETS, LM_LOSSES, PROJECTIONS, QUANTIZATIONS, TRAIN_MODES, CalibrateConfig,
                      DistillConfig, TrainConfig)
+from .corpus import MIN_SEEN as CORPUS_MIN_SEEN
 from .kernels import KERNELS
 
 ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
@@ -55,13 +57,17 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--acceptance", choices=ACCEPTANCE_RULES + ("auto",), default=DEFAULTS.acceptance)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    add_lookup_argument(parser)
+    add_draft_arguments(parser)
 
 
-def add_lookup_argument(parser: argparse.ArgumentParser) -> None:
+def add_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lookup", type=int, default=DEFAULTS.lookup,
                         help="lookup drafts: at most this many tokens a step copied from where the text's last tokens "
                         "occurred before, verified beside the heads' candidates when they pay (0: none)")
+    parser.add_argument("--corpus", type=int, default=DEFAULTS.corpus,
+                        help="corpus drafts, where the heads have an index of the model's answers (medusa corpus): "
+                        "at most this many tokens a step of what most often followed the text's last tokens there "
+                        "(0: none)")
 
 
 def load(args):
@@ -422,6 +428,25 @@ def read_data(paths: list[str]) -> list[list[dict]]:
     return [chat for path in paths for chat in read_conversations(path)]
 
 
+def cmd_corpus(args) -> None:
+    from tqdm.auto import tqdm
+
+    from .base import load_base
+    from .corpus import CORPUS_NAME, CorpusIndex
+    from .training.data import IGNORE_INDEX, build_examples
+
+    if not Path(args.heads).is_dir():
+        raise FileNotFoundError(f"heads directory {args.heads} does not exist")
+    conversations = read_data(args.data)  # before the model loads: bad data fails at once
+    tokenizer = load_base(args.model)[1]
+    examples = build_examples(tokenizer, tqdm(conversations, desc="tokenizing", unit="conv"), CALIBRATE.max_length)
+    index = CorpusIndex.build(((e["input_ids"], [label != IGNORE_INDEX for label in e["labels"]]) for e in examples),
+                              args.min_seen)
+    index.save(args.heads)
+    print(f"corpus: {len(index.keys)} contexts from the answers of {len(examples)} conversations -> "
+          f"{Path(args.heads) / CORPUS_NAME}", file=sys.stderr)
+
+
 def cmd_train(args) -> None:
     import torch.distributed
 
@@ -494,6 +519,14 @@ def main(argv=None) -> None:
     p.add_argument("--seed", type=int, default=DISTILL.seed)
     p.set_defaults(run=cmd_distill, heads=None, tree=None)
 
+    p = sub.add_parser("corpus", help="index the model's own answers beside the heads: its corpus drafts (corpus.py)")
+    p.add_argument("--data", required=True, nargs="+", help=DATA_HELP + "; the answers the model gave (never a "
+                   "benchmark's)")
+    p.add_argument("--heads", required=True, help="MEDUSA heads directory: the index goes beside them")
+    p.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--min-seen", type=int, default=CORPUS_MIN_SEEN, help="keep contexts seen at least this often")
+    p.set_defaults(run=cmd_corpus)
+
     p = sub.add_parser("train", help="train MEDUSA heads (medusa1) or heads + LoRA backbone (medusa2)")
     p.add_argument("--data", required=True, nargs="+", help=DATA_HELP)
     p.add_argument("--output", required=True, help="directory for the heads, checkpoints/ and head_accuracy.json")
@@ -510,7 +543,7 @@ def main(argv=None) -> None:
     p.add_argument("--top-p", type=float, default=DEFAULTS.top_p)
     p.add_argument("--acceptance", choices=ACCEPTANCE_RULES + ("auto",), default=DEFAULTS.acceptance)
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    add_lookup_argument(p)
+    add_draft_arguments(p)
     p.add_argument("--limit", type=int, help="only the first N questions (after --categories)")
     p.add_argument("--categories", help="comma-separated categories to keep, e.g. writing,coding")
     p.add_argument("--per-category", type=int, help="only the first N questions of each category (a balanced sample)")

@@ -63,6 +63,9 @@ class GenerationConfig:
     # lookup drafts (lookup.py): at most this many tokens a step copied from where the text's last few tokens occurred
     # before, verified beside the heads' candidates, each step only as many as pay for their time; 0: none
     lookup: int = 8
+    # corpus drafts (corpus.py), where the heads come with an index of the model's own answers: at most this many
+    # tokens a step of what followed the text's last tokens there most often, verified as lookup drafts are; 0: none
+    corpus: int = 8
 
     def __post_init__(self):
         if self.acceptance not in ACCEPTANCE_RULES + ("auto",):
@@ -75,8 +78,9 @@ class GenerationConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k!r}")
-        if not isinstance(self.lookup, int) or self.lookup < 0:
-            raise ValueError(f"lookup must be a non-negative integer, got {self.lookup!r}")
+        for name in ("lookup", "corpus"):
+            if not isinstance(value := getattr(self, name), int) or value < 0:
+                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
         if self.acceptance == "greedy" and self.temperature > 0:
             raise ValueError("acceptance 'greedy' needs temperature 0; use 'typical' or 'rejection' to sample")
         object.__setattr__(self, "stop", tuple(self.stop))

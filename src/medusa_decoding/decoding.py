@@ -6,7 +6,7 @@ patched model code. A Batch decodes several sequences together, one forward pass
 rows join (their prefill) and leave at any step, each with its own positions, cache entries, acceptance rule and
 random generator; a single request is a batch of one. A row's step verifies what its proposers offer (proposers.py):
 first its heads, the tree its guard picks (guard.py) under `--tree auto`, else always the one given; then its lookup
-drafts, grafted onto it.
+and corpus drafts, grafted onto it.
 """
 
 import time
@@ -20,6 +20,7 @@ from .acceptance import RULES, argmax, sample, target_probs
 from .base import check_context
 from .compiled import Compiled
 from .config import GenerationConfig
+from .corpus import CorpusDraft, CorpusIndex
 from .device_acceptance import draw_key
 from .eager import Eager, Packed
 from .guard import Guard, Ladder, batch_yields
@@ -86,9 +87,10 @@ class Batch:
         self.rows: list[Row] = []
 
     def join(self, prompt: torch.Tensor, config: GenerationConfig, trees: Tree | Ladder,
-             eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None) -> Row:
+             eos_ids: frozenset[int] = frozenset(), generator: torch.Generator | None = None,
+             corpus: CorpusIndex | None = None) -> Row:
         """Prefills prompt [T] and returns its row, whose root is the first token; a row done already (EOS, a budget
-        of one) is not added."""
+        of one) is not added. corpus: the index its corpus drafts follow (the heads', where they have one)."""
         check_context(self.model, prompt.shape[-1], config.max_new_tokens)
         ladder = Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
         for tree in ladder.trees:
@@ -100,8 +102,10 @@ class Batch:
             seen = prompt.tolist() + [root]
             heads = HeadsDraft(self.heads, self.lm_head, self.embed, self.engine.candidates, Guard(ladder, root),
                                self.own_tokens(seen) if config.medusa else None, timed=config.seed is None)
-            lookup = [LookupDraft(seen, config.lookup)] if config.medusa and config.lookup else []
-            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], [heads, *lookup],
+            drafts = [LookupDraft(seen, config.lookup)] if config.medusa and config.lookup else []
+            if config.medusa and config.corpus and corpus is not None:
+                drafts.append(CorpusDraft(corpus, seen, config.corpus))
+            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], [heads, *drafts],
                       key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree

@@ -21,6 +21,7 @@ from . import default_model, formats
 from .base import eos_ids, load_base, with_adapter
 from .calibrate import auto_tree, choose_kernels, confident_yield, read_accuracy
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
+from .corpus import CorpusIndex
 from .decoding import Batch, Row
 from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 from .guard import Ladder
@@ -38,7 +39,7 @@ class GenerationOutput:
     token_ids: list[int] = field(default_factory=list)  # generated tokens only
     accept_lengths: list[int] = field(default_factory=list)
     tree_sizes: list[int] = field(default_factory=list)
-    drafted: list[int] = field(default_factory=list)  # per forward pass, the tokens only a lookup draft proposed
+    drafted: list[int] = field(default_factory=list)  # per forward pass, the tokens only a draft proposed
     text: str = ""
     seconds: float = 0.0
     first_token_seconds: float = 0.0  # the prefill, to the first token
@@ -66,7 +67,7 @@ class Step(NamedTuple):
     # why the request ended at this step, as OpenAI's finish_reason: "stop" (EOS or a stop string) or "length" (its
     # token budget); None while it runs
     finish: str | None = None
-    drafted: int = 0  # of `tokens`, those only a lookup draft proposed (lookup.py)
+    drafted: int = 0  # of `tokens`, those only a draft proposed (lookup.py, corpus.py)
 
     @property
     def done(self) -> bool:
@@ -92,6 +93,7 @@ class MedusaModel:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.heads = reset_kernels(heads).to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
+        self.corpus: CorpusIndex | None = None  # the index of the model's answers found with them (corpus.py)
         if kernels == "auto" and cpu_float32(model.device, model.dtype) and native_available():
             kernels = choose_kernels(model, heads, lambda name: MedusaModel(model, tokenizer, heads, kernels=name))
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
@@ -188,6 +190,7 @@ class MedusaModel:
         medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
         calibration = None
         if heads_dir is not None:
+            medusa.corpus = CorpusIndex.load(heads_dir)
             if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
                 if (vocab := calibration.guess_vocab) is not None:
                     set_guess_vocab(medusa.model, vocab)
@@ -204,9 +207,12 @@ class MedusaModel:
                    ) -> "MedusaModel":
         """Other heads (or the same with another tree, or on the other engine: `compiled`) on this base model, its
         weights and kernels shared (`medusa bench --rival`). The guess vocabulary is the model's: the one these heads
-        were calibrated with from then on."""
-        return self.assemble(self.model, self.tokenizer, heads, tree, self.kernels,
+        were calibrated with from then on; so is the corpus index, unless the heads' directory has its own."""
+        view = self.assemble(self.model, self.tokenizer, heads, tree, self.kernels,
                              self.compiled if compiled is None else compiled)
+        if view.corpus is None:
+            view.corpus = self.corpus
+        return view
 
     def warm_up(self, prompt, config: GenerationConfig | None = None, max_new_tokens: int = 8) -> None:
         """A few tokens with every tree the guard may pick and plainly, off the clock, decoded as `config` says: the
@@ -221,8 +227,10 @@ class MedusaModel:
         self.generate(prompt, config=replace(config, medusa=False))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
-        """The heads (safetensors + config.json) and the tree they decode with."""
+        """The heads (safetensors + config.json), the tree they decode with and their corpus index, if any."""
         self.heads.save_pretrained(directory)
+        if self.corpus is not None:
+            self.corpus.save(directory)
         (Path(directory) / TREE_NAME).write_text(json.dumps([list(p) for p in self.tree.paths]) + "\n")
 
     def encode(self, prompt=None, *, messages=None, raw: bool = False) -> torch.Tensor:
@@ -355,7 +363,7 @@ class Requests:
             ) -> list[tuple[object, Step]]:
         """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
         model = model or self.medusa
-        row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config))
+        row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config), model.corpus)
         self.by_row[row] = (key, config, Answer(self.medusa.decode))
         return [self.advance(row, [row.root], 0)]
 

@@ -74,6 +74,7 @@ class MedusaOptions(Strict):
     typical_epsilon: float | None = None
     typical_delta: float | None = None
     lookup: int | None = None  # lookup drafts: at most this many tokens a step (GenerationConfig.lookup)
+    corpus: int | None = None  # corpus drafts: at most this many tokens a step (GenerationConfig.corpus)
 
 
 class TextPart(Strict):
