@@ -135,7 +135,7 @@ def scripted(steps: list[tuple[list[int], int]]):
         def __init__(self, model, heads, compiled=False):
             self.rows, self.left = [], list(steps[1:])
 
-        def join(self, ids, config, trees, eos_ids, generator):
+        def join(self, ids, config, trees, eos_ids, generator, corpus):
             row = Row()
             row.root, self.rows = steps[0][0][0], [row]
             return row

@@ -40,8 +40,9 @@ class Result:
 
 def request(url: str, prompt: str, config: GenerationConfig, plain: bool) -> tuple[str, int, float]:
     """One streamed chat completion -> (text, completion tokens, seconds to the first text)."""
+    options = {"medusa": {"tree": [], "lookup": 0, "corpus": 0}} if plain else {}  # plain: no candidates at all
     body = {"model": MODEL_ID, "messages": [{"role": "user", "content": prompt}], "max_tokens": config.max_new_tokens,
-            "temperature": config.temperature, "stream": True, **({"medusa": {"tree": [], "lookup": 0}} if plain else {})}
+            "temperature": config.temperature, "stream": True, **options}
     start, first, text, tokens = time.perf_counter(), 0.0, "", 0
     with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=REQUEST_TIMEOUT_S) as response:
         if response.status_code != 200:
