@@ -202,7 +202,7 @@ def test_sampling_with_a_seed_repeats(client):
 
 
 def test_per_request_tree_and_acceptance(client, expected):
-    plain = chat(client, PROMPTS[0], extra_body={"medusa": {"tree": []}})  # root only: plain decoding
+    plain = chat(client, PROMPTS[0], extra_body={"medusa": {"tree": [], "lookup": 0, "corpus": 0}})  # plain decoding
     assert plain.choices[0].message.content == expected(PROMPTS[0]).text
     assert plain.usage.model_extra["medusa"]["steps"] == plain.usage.completion_tokens
     typical = chat(client, PROMPTS[0], extra_body={"medusa": {"acceptance": "typical", "tree": [2, 2]}})
