@@ -155,6 +155,14 @@ def test_worth_keeps_the_prefix_with_the_most_tokens_per_unit_of_time():
     assert worth([0.9, 0.1, 0.9], 1.0, cost) == (1, 0.9)  # the second is unlikely: nothing after it
     assert worth([0.2, 0.2], 1.0, cost) == (0, 0.0)  # not worth a node
     assert worth([], 1.0, cost) == (0, 0.0)
+    read = []
+
+    def chances():  # a lazy chain: read no further than the first token that does not pay
+        for p in (0.9, 0.1, 0.9, 0.9):
+            read.append(p)
+            yield p
+
+    assert worth(chances(), 1.0, cost) == (1, 0.9) and read == [0.9, 0.1]
 
 
 def test_chains_that_miss_make_the_next_ones_shorter():

@@ -119,15 +119,20 @@ class CorpusDraft:
         self.bins: list[int] = []  # the bins of the last chain offered
 
     def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
-        """The index's chain from the row's last tokens, as much of it as pays (Proposer.propose)."""
-        chain, context = [], list(self.context)
-        self.bins = []
-        while len(chain) < min(self.max_length, start.budget) and (found := self.index.next(context)) is not None:
-            token, share = found
-            chain.append(token)
-            context.append(token)
-            self.bins.append(int(np.searchsorted(SHARES, share, side="right")) - 1)
-        keep, gained = worth([self.right[b] for b in self.bins], tokens, cost)
+        """The index's chain from the row's last tokens, as much of it as pays (Proposer.propose): the index is
+        followed one token at a time, as long as `worth` reads on."""
+        chain, self.bins = [], []
+
+        def chances():
+            context = list(self.context)
+            while len(chain) < min(self.max_length, start.budget) and (found := self.index.next(context)) is not None:
+                token, share = found
+                chain.append(token)
+                context.append(token)
+                self.bins.append(int(np.searchsorted(SHARES, share, side="right")) - 1)
+                yield self.right[self.bins[-1]]
+
+        keep, gained = worth(chances(), tokens, cost)
         self.bins = self.bins[:keep]
         return Proposal.chain(chain[:keep], gained, self.max_length)
 

@@ -5,7 +5,7 @@ accepted. The step never asks what kind of proposer it has: the heads (heads_dra
 (lookup.LookupDraft) are two; a new source of drafts is one more class with these two calls.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -62,17 +62,19 @@ class Proposer(Protocol):
         or other rows too, so the time is not this proposal's)."""
 
 
-def worth(right: list[float], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
+def worth(right: Iterable[float], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
     """How many tokens of a chain to verify, each right with chance right[i] given the ones before: the prefix with
     the most expected tokens per unit of step time, and the tokens it is expected to add. tokens: what the step
-    yields without it; cost as Proposer.propose's. A token counts only if every one before it is accepted."""
-    gained, chance, best, best_gained, best_speed = 0.0, 1.0, 0, 0.0, tokens
-    for length, p in enumerate(right, start=1):
+    yields without it; cost as Proposer.propose's. A token counts only if every one before it is accepted, so each
+    adds less than the one before: with a cost linear in nodes none pays after the first that does not, and `right`
+    is read no further (a lazy chain is walked only as far as it pays)."""
+    gained, chance, length, speed = 0.0, 1.0, 0, tokens
+    for p in right:
         chance *= p
-        gained += chance
-        if (speed := (tokens + gained) / cost(length)) > best_speed:
-            best, best_gained, best_speed = length, gained, speed
-    return best, best_gained
+        if (longer := (tokens + gained + chance) / cost(length + 1)) <= speed:
+            break
+        gained, length, speed = gained + chance, length + 1, longer
+    return length, gained
 
 
 def tally(right: list[float], counted: list[int], bins: list[int], nodes: list[int], path: list[int]) -> None:
