@@ -442,8 +442,11 @@ def test_a_forced_instruction_set_is_a_setup_of_its_own(oracle, monkeypatch):
     assert calibrate.setup(medusa) == native + ", avx2 build" and "build" not in native
 
 
-def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_sizes_match(base_and_heads):
+def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_sizes_match(base_and_heads, monkeypatch):
     base, heads = base_and_heads
+    # every load below reads the first one's fit: a tiny model's millisecond steps can look "timed under load" to the
+    # next load, whose refit then follows other timings (a CI run failed so)
+    monkeypatch.setattr(calibrate, "timed_under_load", lambda *args: False)
     sizes = tried_sizes(len(HAND_ORDER))  # what a fit here measures
     simulated = [1 + 0.2 * n for n in sizes]
     record = {"accuracy": HAND.tolist(), "setup": "another machine", "sizes": sizes, "contexts": [512],
