@@ -51,26 +51,31 @@ def heads(directory) -> dict[str, torch.Tensor]:
     return load_file(str(directory / "model.safetensors"))
 
 
-def test_two_processes_train_the_heads_one_process_trains(setup, tmp_path):
+@pytest.fixture(scope="module")
+def two_processes(setup) -> Path:
+    """A whole two-process run: what one process must match, and what a killed one must resume to."""
+    run(command(setup, setup / "two", 2))
+    return setup / "two"
+
+
+def test_two_processes_train_the_heads_one_process_trains(setup, two_processes, tmp_path):
     run(command(setup, tmp_path / "one", 1))
-    run(command(setup, tmp_path / "two", 2))
-    one, two = heads(tmp_path / "one"), heads(tmp_path / "two")
+    one, two = heads(tmp_path / "one"), heads(two_processes)
     assert one.keys() == two.keys()
     for name in one:
         assert torch.allclose(one[name], two[name], rtol=1e-4, atol=1e-6), name
     initial = torch.zeros_like(one["heads.0.0.linear.weight"])  # W1 starts at zero: the heads did learn
     assert not torch.equal(one["heads.0.0.linear.weight"], initial)
-    saved = [sorted(p.name for p in (tmp_path / run / "checkpoints").iterdir()) for run in ("one", "two")]
+    saved = [sorted(p.name for p in (out / "checkpoints").iterdir()) for out in (tmp_path / "one", two_processes)]
     assert saved[0] == saved[1] and saved[0]  # one process saves, as one process alone does
 
 
-def test_a_killed_two_process_run_resumes_to_the_same_heads(setup, tmp_path):
-    run(command(setup, tmp_path / "whole", 2))
+def test_a_killed_two_process_run_resumes_to_the_same_heads(setup, two_processes, tmp_path):
     killed = run(command(setup, tmp_path / "killed", 2, script=[str(Path(__file__).with_name("killed_train.py"))]),
                  KILL_AT=str(SAVE_STEPS + 1))  # both processes die in the step after the first checkpoint
     assert killed.returncode != 0 and not (tmp_path / "killed" / "model.safetensors").exists()
     assert (tmp_path / "killed" / "checkpoints" / f"checkpoint-{SAVE_STEPS}").is_dir()
     run(command(setup, tmp_path / "killed", 2, "--resume"))
-    whole, resumed = heads(tmp_path / "whole"), heads(tmp_path / "killed")
+    whole, resumed = heads(two_processes), heads(tmp_path / "killed")
     assert whole.keys() == resumed.keys()
     assert all(torch.allclose(whole[k], resumed[k], rtol=1e-5, atol=1e-7) for k in whole)
