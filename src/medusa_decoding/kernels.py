@@ -274,21 +274,27 @@ def fit_blocks(blocks: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Ten
         low = blocks.amin(-1)
         guess = ((blocks.amax(-1) - low) / 15).half()
     else:
-        guess = (blocks.abs().amax(-1) / 127).half()
-    codes, scales = torch.zeros_like(blocks, dtype=torch.uint8), torch.zeros(*blocks.shape[:2], 2)
-    todo = torch.ones(blocks.shape[:2], dtype=torch.bool)
-    for ulps in (0, 1, -1):  # d was rounded to float16 from the original block; the guess lies within an ulp
-        d = (guess[todo].view(torch.int16) + ulps).view(torch.float16).float()
-        m = low[todo] if bits == 4 else -128 * d
-        b = blocks[todo]
-        q = ((b - m[:, None]) / d[:, None]).nan_to_num().round().clamp(0, 2**bits - 1)
-        exact = ((q * d[:, None] + m[:, None]).view(torch.int32) == b.view(torch.int32)).all(-1)
-        where = todo.nonzero()[exact].unbind(1)
-        codes[where], scales[where] = q[exact].to(torch.uint8), torch.stack([d, m], -1)[exact]
-        todo[where] = False
-        if not todo.any():
+        low, guess = None, (blocks.abs().amax(-1) / 127).half()
+    codes, scales, exact = codes_at(blocks, guess, low, bits)  # a model's load: every block at once, in place
+    for ulps in (1, -1):  # d was rounded to float16 from the original block; the guess lies within an ulp
+        if exact.all():
             return codes, scales
-    return None
+        todo = ~exact
+        d = (guess[todo].view(torch.int16) + ulps).view(torch.float16)
+        found, found_scales, right = codes_at(blocks[todo], d, None if low is None else low[todo], bits)
+        where = todo.nonzero()[right].unbind(1)
+        codes[where], scales[where], exact[where] = found[right], found_scales[right], True
+    return (codes, scales) if exact.all() else None
+
+
+def codes_at(blocks: torch.Tensor, d: torch.Tensor, low: torch.Tensor | None, bits: int):
+    """The codes of blocks [..., 32] at float16 scales d [...] (offset `low`, None: 8-bit's -128 d), their scales
+    [..., 2] and whether each block decodes to them bitwise (code * d + m: GGUF's rounding, no fused multiply-add)."""
+    d = d.float()
+    m = low if low is not None else -128 * d
+    q = (blocks - m[..., None]).div_(d[..., None]).nan_to_num_().round_().clamp_(0, 2**bits - 1)
+    exact = ((q * d[..., None]).add_(m[..., None]).view(torch.int32) == blocks.view(torch.int32)).all(-1)
+    return q.to(torch.uint8), torch.stack([d, m], -1), exact
 
 
 class Int8Linear(nn.Module):
