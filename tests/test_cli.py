@@ -24,11 +24,15 @@ def medusa(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+# an explicit tree: --tree auto's guard decodes plainly where trees do not pay on this machine (stock kernels), and
+# fitting it costs a run seconds
+GENERATE = ("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy",
+            "--tree", "[[0], [1], [2]]", "--kernels", EXACT_KERNELS)
+
+
 @pytest.fixture(scope="module")
 def generated() -> dict:
-    # an explicit tree: --tree auto's guard decodes plainly where trees do not pay on this machine (stock kernels)
-    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy",
-                 "--tree", "[[0], [1], [2]]", "--kernels", EXACT_KERNELS, "--json")
+    run = medusa(*GENERATE, "--json")
     assert run.returncode == 0, run.stderr
     assert run.stdout.count("\n") == 1, run.stdout  # one JSON object, nothing else: progress bars went to stderr
     return json.loads(run.stdout)
@@ -52,8 +56,7 @@ def test_generate_json_is_transformers_greedy(generated, smollm):
 
 
 def test_streamed_text_is_the_json_text(generated):
-    run = medusa("generate", "--prompt", PROMPT, "--max-new-tokens", str(MAX_NEW_TOKENS), "--acceptance", "greedy",
-                 "--kernels", EXACT_KERNELS)
+    run = medusa(*GENERATE)
     assert run.returncode == 0, run.stderr
     assert run.stdout == generated["text"] + "\n"
 
