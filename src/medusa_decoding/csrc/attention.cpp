@@ -14,8 +14,6 @@
 // anything else: not; none: every key) -> [B, T, H, D]. The seen keys are taken in column order, the cache's: the
 // prefix, then the tree's nodes, parents before children (position order). The B sequences of a batch are
 // independent: the columns a row's mask hides (another row's longer prefix) are never read.
-#include <torch/library.h>
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -204,7 +202,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   if (mask.has_value())
     TORCH_CHECK(m.dim() == 3 && m.size(0) == B && m.size(1) == T && m.size(2) == S && m.scalar_type() == at::kFloat,
                 "medusa::attention: float32 mask [B, T, S]");
-  if (B * T * H * D == 0) return at::empty({B, T, H, D}, q.options());  // nothing to attend (the splits below divide)
+  if (B * T * H * D == 0) return q.new_empty({B, T, H, D});  // nothing to attend (the splits below divide)
   at::parallel_for(0, B * T, 1, [&](int64_t begin, int64_t end) {
     for (int64_t bt = begin; bt < end; bt++) {  // branch-free: a compiled engine's mask spans the cache's capacity
       std::vector<int64_t>& cols = seen[bt];
@@ -220,7 +218,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
   });
   const int64_t G = H / Hkv;
   const at::Tensor qc = q.transpose(1, 2).contiguous();  // [B, T, H, D]: a query's heads side by side
-  at::Tensor out = at::empty({B, T, H, D}, q.options());
+  at::Tensor out = q.new_empty({B, T, H, D});
   const float* Q = qc.data_ptr<float>();
   float* O = out.data_ptr<float>();
   // tasks: each kv group's G * T queries in `parts` runs, so that 2 threads share SmolLM2's 3 groups evenly
@@ -260,14 +258,3 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
 }
 
 }  // namespace medusa
-
-#define DEFINE_MORE_OPS(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-DEFINE_MORE_OPS(MEDUSA_OPS, m) {
-  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
-}
-
-IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
-  m.impl("attention", &medusa::attention);
-}

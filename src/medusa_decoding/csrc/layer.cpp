@@ -9,8 +9,6 @@
 // their output sizes; keys and values: the cache's float16 buffers [slots, Hkv, capacity, D], where row b's token t is
 // written at column columns[b, t] before the attention reads columns 0..S-1 under mask [B, T, S] (additive, 0:
 // seen); cos, sin [B, T, D]: the rotary embedding at the tokens' positions (the model's own, any scaling).
-#include <torch/library.h>
-#include <ATen/ATen.h>
 
 #include <cmath>
 #include <cstdint>
@@ -27,7 +25,7 @@ constexpr int64_t LANES = 16;
 // x * rsqrt(mean(x^2) + eps) * w, row by row
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   const int64_t M = x.size(0), H = x.size(1);
-  at::Tensor y = at::empty_like(x);
+  at::Tensor y = x.new_empty(x.sizes());
   const float *X = x.data_ptr<float>(), *Wt = w.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   for (int64_t r = 0; r < M; r++, X += H, Y += H) {
@@ -73,6 +71,10 @@ FMA_CLONES void silu_times(at::Tensor& gate, const at::Tensor& up) {
   }
 }
 
+}  // namespace
+
+namespace medusa {
+
 at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at::Tensor& post_norm,
                     at::TensorList codes, at::TensorList scales, at::IntArrayRef outs, const at::Tensor& keys,
                     const at::Tensor& values,
@@ -115,7 +117,7 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   const at::Tensor seen_values = values.narrow(0, 0, B).narrow(2, 0, S);
   const at::Tensor attended = medusa::attention(q.view({B, T, heads, D}).transpose(1, 2), seen_keys, seen_values,
                                                 mask, scale);
-  at::Tensor out = residual + linear(medusa::quantize_q8(attended.view({M, heads * D})), 3);
+  at::Tensor out = residual.add(linear(medusa::quantize_q8(attended.view({M, heads * D})), 3));
 
   h = medusa::quantize_q8(rms_norm(out, post_norm, eps));
   std::vector<at::Tensor> gate_up = linears(h, 4, 2);
@@ -125,17 +127,4 @@ at::Tensor layer_q8(const at::Tensor& x, const at::Tensor& input_norm, const at:
   return out.view({B, T, H});
 }
 
-}  // namespace
-
-#define DEFINE_MORE_OPS(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-DEFINE_MORE_OPS(MEDUSA_OPS, m) {
-  m.def("layer_q8(Tensor x, Tensor input_norm, Tensor post_norm, Tensor[] codes, Tensor[] scales, int[] outs, "
-        "Tensor(a!) keys, Tensor(b!) values, Tensor columns, Tensor cos, Tensor sin, Tensor mask, float eps, "
-        "float scale) -> Tensor");
-}
-
-IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
-  m.impl("layer_q8", &layer_q8);
-}
+}  // namespace medusa

@@ -16,8 +16,6 @@
 //
 // The arithmetic is simd.h's 16-lane vectors: every instruction-set variant (AVX-512, AVX2, baseline) gives the
 // same bits; only the tiles differ, sized for each one's registers.
-#include <torch/library.h>
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -190,7 +188,7 @@ void rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const Blocks<BI
 template <int BITS>
 at::Tensor run_decoding(const at::Tensor& x, const Blocks<BITS>& weights, int64_t N) {
   const int64_t M = x.size(0), K = weights.K;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = x.new_empty({M, N});
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   at::parallel_for(0, (N + TILE - 1) / TILE, 8, [&](int64_t begin, int64_t end) {
@@ -202,7 +200,7 @@ at::Tensor run_decoding(const at::Tensor& x, const Blocks<BITS>& weights, int64_
 template <typename Weights>
 at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
   const int64_t M = x.size(0), K = weights.K;
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = x.new_empty({M, N});
   const float* X = x.data_ptr<float>();
   float* Y = y.data_ptr<float>();
   const int64_t tiles = (N + TILE - 1) / TILE;
@@ -229,26 +227,6 @@ at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x [M, K] with K = ", K);
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": float32 x only");
   return x.contiguous();
-}
-
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "medusa::linear: float32 w [N, K]");
-  at::Tensor xc = check_x(x, w.size(1), "medusa::linear"), wc = w.contiguous();
-  return run(xc, Float32{wc.data_ptr<float>(), wc.size(1)}, wc.size(0));
-}
-
-at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t bits) {
-  const int64_t N = codes.size(0), K = codes.size(1) * 8 / bits;
-  TORCH_CHECK((bits == 4 || bits == 8) && codes.dim() == 2 && codes.scalar_type() == at::kByte && K % BLOCK == 0,
-              "medusa::linear_blocks: bits 4 or 8, uint8 codes [N, K * bits / 8], K a multiple of 32");
-  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.numel() == N * (K / BLOCK) * 2,
-              "medusa::linear_blocks: float32 dm [N, K / 32, 2]");
-  at::Tensor xc = check_x(x, K, "medusa::linear_blocks"), cc = codes.contiguous(), dmc = dm.contiguous();
-  auto go = [&](const auto& blocks) {
-    return 0 < xc.size(0) && xc.size(0) <= DECODING_ROWS ? run_decoding(xc, blocks, N) : run(xc, blocks, N);
-  };
-  if (bits == 4) return go(Blocks<4>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
-  return go(Blocks<8>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -485,14 +463,6 @@ const Q8Path Q8_PATHS[] = {
 };
 constexpr int64_t Q8_PATH_COUNT = sizeof(Q8_PATHS) / sizeof(Q8_PATHS[0]);
 
-// the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is
-// its index in q8_path_names
-std::vector<std::string> q8_path_names() {
-  std::vector<std::string> names;
-  for (const Q8Path& path : Q8_PATHS) names.push_back(path.supported() ? path.name : "");
-  return names;
-}
-
 // per block of 32 values: q = round(x / d), d = amax / 127 (|q| <= 127), and the sums the paths read beside q. A
 // block's scale is a long chain (a max across lanes, two divisions) that the rounding waits for, so the maxima of a
 // chunk of blocks come first, side by side, then their scales W at a time, then their codes. This runs on one core
@@ -533,6 +503,34 @@ FMA_CLONES void quantize(const float* x, int64_t blocks, int8_t* q, float* d, fl
 
 namespace medusa {
 
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat, "medusa::linear: float32 w [N, K]");
+  at::Tensor xc = check_x(x, w.size(1), "medusa::linear"), wc = w.contiguous();
+  return run(xc, Float32{wc.data_ptr<float>(), wc.size(1)}, wc.size(0));
+}
+
+at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t bits) {
+  const int64_t N = codes.size(0), K = codes.size(1) * 8 / bits;
+  TORCH_CHECK((bits == 4 || bits == 8) && codes.dim() == 2 && codes.scalar_type() == at::kByte && K % BLOCK == 0,
+              "medusa::linear_blocks: bits 4 or 8, uint8 codes [N, K * bits / 8], K a multiple of 32");
+  TORCH_CHECK(dm.scalar_type() == at::kFloat && dm.numel() == N * (K / BLOCK) * 2,
+              "medusa::linear_blocks: float32 dm [N, K / 32, 2]");
+  at::Tensor xc = check_x(x, K, "medusa::linear_blocks"), cc = codes.contiguous(), dmc = dm.contiguous();
+  auto go = [&](const auto& blocks) {
+    return 0 < xc.size(0) && xc.size(0) <= DECODING_ROWS ? run_decoding(xc, blocks, N) : run(xc, blocks, N);
+  };
+  if (bits == 4) return go(Blocks<4>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
+  return go(Blocks<8>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
+}
+
+// the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is
+// its index in q8_path_names
+std::vector<std::string> q8_path_names() {
+  std::vector<std::string> names;
+  for (const Q8Path& path : Q8_PATHS) names.push_back(path.supported() ? path.name : "");
+  return names;
+}
+
 Q8Activations quantize_q8(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % BLOCK == 0 && x.scalar_type() == at::kFloat,
               "medusa::linear_q8: float32 x [M, K], K a multiple of 32");
@@ -565,7 +563,8 @@ std::vector<at::Tensor> linear_q8(const Q8Activations& x, at::TensorList codes, 
     TORCH_CHECK(dm[i].scalar_type() == at::kHalf && dm[i].numel() == G * blocks * 2 * ROWS,
                 "medusa::linear_q8: float16 dm [ceil(n / 16), K / 32, 2, 16]");
     TORCH_CHECK(x.K == K, "medusa::linear_q8: x [M, K] with K = ", K);
-    held.push_back(codes[i].contiguous()), held.push_back(dm[i].contiguous()), ys.push_back(at::empty({x.M, n[i]}));
+    held.push_back(codes[i].contiguous()), held.push_back(dm[i].contiguous());
+    ys.push_back(codes[i].new_empty({x.M, n[i]}, at::kFloat));
     args.push_back(Q8{x.q.data(), x.d.data(), x.dt.data(), x.x128.data(), held[2 * i].data_ptr<uint8_t>(),
                       held[2 * i + 1].data_ptr<at::Half>(), ys[i].data_ptr<float>(), K, n[i]});
     groups.push_back(bits == 4 ? Q8_PATHS[path].q4 : Q8_PATHS[path].q8), first.push_back(first[i] + G);
@@ -584,28 +583,3 @@ at::Tensor linear_q8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 }  // namespace medusa
-
-namespace {
-
-std::string variant() { return VARIANT; }
-
-}  // namespace
-
-// MEDUSA_OPS names the ops' namespace: one per instruction-set variant (medusa_avx2, ...), so all load side by side
-#define DEFINE_OPS(ns, m) TORCH_LIBRARY(ns, m)
-#define IMPLEMENT_OPS(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
-
-DEFINE_OPS(MEDUSA_OPS, m) {
-  m.def("variant() -> str", &variant);
-  m.def("linear(Tensor x, Tensor w) -> Tensor");
-  m.def("linear_blocks(Tensor x, Tensor codes, Tensor dm, int bits) -> Tensor");
-  m.def("linear_q8(Tensor x, Tensor codes, Tensor dm, int n, int path) -> Tensor");
-  m.def("q8_path_names() -> str[]", &q8_path_names);
-}
-
-IMPLEMENT_OPS(MEDUSA_OPS, CPU, m) {
-  m.impl("linear", &linear);
-  m.impl("linear_blocks", &linear_blocks);
-  m.impl("linear_q8", static_cast<at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
-                                                  int64_t)>(&medusa::linear_q8));  // the op: on float32 x
-}
