@@ -372,9 +372,11 @@ def test_rivals_run_side_by_side_and_must_be_lossless_too(tiny, questions, tmp_p
 def test_a_rival_on_the_other_engine_is_held_to_plain_decoding_on_that_engine(tiny, questions, monkeypatch):
     """Two engines may round a near-tie apart (compiled and eager q8 do): each decoder is lossless against plain
     decoding on its own engine, and where the engines part the report says so apart from losslessness."""
+    # the rival is another engine to the report (compiling one is make test-compiled's); its answers are an eager
+    # view's, each parted from the eager one's at its end
     rival, same = (tiny.with_heads(tiny.heads, Tree.from_spec(TREE)) for _ in range(2))
-    rival.compiled = not tiny.compiled  # another engine to the report (compiling one is make test-compiled's), whose
-    generate = same.generate  # every answer parts from the eager one's at its end
+    rival.compiled = not tiny.compiled
+    generate = same.generate
     monkeypatch.setattr(rival, "generate", lambda ids, config, medusa=True: replace_tokens(
         generate(ids, config=replace(config, medusa=medusa))))
     monkeypatch.setattr(rival, "warm_up", lambda *args, **kwargs: None)
