@@ -293,6 +293,19 @@ def test_an_answer_decoded_piece_by_piece_is_the_whole_decode(smollm):
         assert so_far == whole
 
 
+def test_a_confident_ladder_from_plain_up_warms_up_and_decodes(smollm):
+    """`--tree confident` on calibrated heads: confident trees from plain decoding up, which warm_up runs one at a time
+    under a guard (the plain one guesses for no node: a confident proposal over it asked the heads for none and
+    failed, so `medusa bench --tree confident` did)."""
+    base = tiny_model("llama", vocab_size=len(smollm.tokenizer))
+    ladder = Ladder((Tree.from_spec([]), Tree.from_spec([[0]]), Tree.from_spec(TINY_TREE)), (1.0, 1.2, 1.5), (0,),
+                    ((1.0, 1.1, 1.2),), confident=True)
+    medusa = MedusaModel(base, smollm.tokenizer, random_heads(base), ladder, kernels="stock")
+    medusa.warm_up("Hello there", GenerationConfig())
+    config = GenerationConfig(max_new_tokens=16)
+    assert medusa.generate("Why?", config=config).token_ids == medusa.generate("Why?", config=config, medusa=False).token_ids
+
+
 @needs_compiler
 @pytest.mark.parametrize("ladder, fields", [
     (Ladder((Tree.from_spec([[0]]), Tree.from_spec(TINY_TREE)), (1.2, 1.5), (0,), ((1.0, 1.2),)), {}),

@@ -134,7 +134,8 @@ class Guard:
         self.ladder, self.choice = ladder, 0
         self.watching = len(trees) > 1 or ladder.guarded
         self.depth = max(tree.depth for tree in trees)
-        self.watched = ladder.tree  # the largest holds every node: its guesses cover every tree
+        # the largest holds every node: its guesses cover every tree (None: the root alone, nothing to guess)
+        self.watched = ladder.tree if ladder.tree.num_nodes > 1 else None
         self.tokens = list(ladder.expected_tokens)  # expected tokens per step, per tree
         self.observed = 0  # steps whose yields were counted
         self.time_factor: list[float | None] = [None] * len(trees)  # measured / calibrated step time, per tree
