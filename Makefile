@@ -7,8 +7,8 @@ STAMP := $(VENV)/.installed
 # --no-compile: Python compiles a module when it is first imported; compiling all of torch at install took 2 of a
 # fresh venv's 3 minutes
 PIP_INSTALL := bin/pip install --no-compile
-# ... and writes its bytecode then, whatever the environment says: under PYTHONDONTWRITEBYTECODE (CI's environment
-# sets it) every process the tests start compiled torch and transformers from source again, 15 s an import
+# ... and writes its bytecode then, whatever the environment says: under PYTHONDONTWRITEBYTECODE (which this
+# project's machines set) every process the tests start compiled torch and transformers from source again, 15 s each
 export PYTHONDONTWRITEBYTECODE :=
 # the lower end of pyproject's transformers range, tested beside the newest by `make test-oldest` (CI runs both)
 OLDEST := transformers==5.17.0
