@@ -158,8 +158,7 @@ class Guard:
         probe). pooled: the batch's mean yields per tree (`batch_yields`), which every row of the batch then follows
         as they stand."""
         if not self.watching:
-            tree = self.ladder.tree
-            return tree, tree if tree.num_nodes > 1 else None
+            return self.ladder.tree, self.watched
         if self.plain_steps + self.tree_steps < self.opening:  # the smallest tree (plain, from calibrate), guessing
             self.plain_steps += 1
             return self.ladder.trees[0], self.watched
