@@ -186,6 +186,15 @@ def test_a_chain_costs_what_the_calibrated_latencies_say_of_a_larger_step():
     assert step_cost(Ladder.fixed(trees[1]), 100, 1, 2)(3) == 1 + 3 * FIXED_NODE_COST
 
 
+def test_a_noisy_fit_never_prices_more_nodes_below_fewer():
+    """A fit whose 3-node tree timed below its 2-node one (run 16's): the larger tree costs what the smaller does,
+    and past it each node costs the whole ladder's slope, not the falling last segment's nothing."""
+    trees = tuple(Tree.from_spec([[i] for i in range(n)]) for n in (0, 1, 2, 3))  # 1, 2, 3 and 4 nodes
+    ladder = Ladder(trees, (1.0, 1.4, 1.6, 1.7), (100,), ((12.0, 15.0, 18.0, 17.0),))
+    cost = step_cost(ladder, 100, 1, 3)
+    assert [round(cost(n), 6) for n in range(4)] == [1.0, 1.0, round(20 / 18, 6), round(22 / 18, 6)]
+
+
 REPEATING = torch.tensor([5, 9, 12, 30, 7, 5, 9, 12, 30, 7, 5, 9])  # its continuation is in it
 NEVER = torch.arange(10, 22)  # no token twice
 

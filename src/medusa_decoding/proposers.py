@@ -5,6 +5,7 @@ accepted. The step never asks what kind of proposer it has: the heads (heads_dra
 (lookup.LookupDraft) are two; a new source of drafts is one more class with these two calls.
 """
 
+import itertools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
@@ -126,13 +127,20 @@ def drafted(tree: Tree, path: list[int], produced: int) -> int:
 def step_cost(ladder: Ladder, context: int, batch: int, nodes: int) -> Callable[[int], float]:
     """cost(n) for `worth`: the time of a step of `nodes` + n nodes as a share of one of `nodes`, from the ladder's
     calibrated step latencies per tree size at this context and batch size (linear between sizes, and on past the
-    largest along its last segment); FIXED_NODE_COST a node where the ladder measured none."""
+    largest at the steeper of its last segment and the whole ladder's slope); FIXED_NODE_COST a node where the ladder
+    measured none. More nodes never cost less: a fit's few timed steps can put a larger tree below a smaller one, and
+    a flat or falling last segment would price every draft node at nothing (MODEL_CARD, run 16)."""
     if len(ladder.trees) == 1:
         return lambda more: 1 + FIXED_NODE_COST * more
-    sizes, seconds = [tree.num_nodes for tree in ladder.trees], ladder.latency(context, batch)
+    sizes = [tree.num_nodes for tree in ladder.trees]
+    seconds = list(itertools.accumulate(ladder.latency(context, batch), max))
+    beyond = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]),
+                 (seconds[-1] - seconds[0]) / (sizes[-1] - sizes[0]))
 
     def at(n: int) -> float:
-        i = next((i for i in range(1, len(sizes) - 1) if sizes[i] >= n), len(sizes) - 1)
+        if n >= sizes[-1]:
+            return seconds[-1] + (n - sizes[-1]) * beyond
+        i = next(i for i in range(1, len(sizes)) if sizes[i] >= n)
         return seconds[i - 1] + (n - sizes[i - 1]) * (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
 
     base = at(nodes)
