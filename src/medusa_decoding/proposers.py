@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from .guard import Ladder
+from .guard import Ladder, interpolate
 from .tree import Tree, build
 
 DRAFT_RANK = 1 << 16  # a chain's nodes' rank: past any head's top-k, so never one of the heads'
@@ -136,12 +136,12 @@ def step_cost(ladder: Ladder, context: int, batch: int, nodes: int) -> Callable[
     seconds = list(itertools.accumulate(ladder.latency(context, batch), max))
     beyond = max((seconds[-1] - seconds[-2]) / (sizes[-1] - sizes[-2]),
                  (seconds[-1] - seconds[0]) / (sizes[-1] - sizes[0]))
+    rows = [(s,) for s in seconds]  # interpolate's rows: one value a size
 
     def at(n: int) -> float:
         if n >= sizes[-1]:
             return seconds[-1] + (n - sizes[-1]) * beyond
-        i = next(i for i in range(1, len(sizes)) if sizes[i] >= n)
-        return seconds[i - 1] + (n - sizes[i - 1]) * (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
+        return interpolate(sizes, rows, n)[0]
 
     base = at(nodes)
     return lambda more: at(nodes + more) / base
