@@ -22,6 +22,7 @@ import importlib.util
 import itertools
 import json
 import math
+import os
 import shutil
 from dataclasses import asdict, replace
 from functools import partial
@@ -269,10 +270,12 @@ def head_metrics(prediction: EvalPrediction, num_heads: int) -> dict[str, float]
 
 
 def load_backbone(model: str | None, config: TrainConfig):
-    """The base model and tokenizer, in bf16 if asked, the frozen MEDUSA-1 backbone quantized if asked."""
+    """The base model and tokenizer, in bf16 if asked, the frozen MEDUSA-1 backbone quantized if asked; on this
+    process's GPU where there is one: position_batch computes the states before the Trainer would move it there."""
     dtype = torch.bfloat16 if config.bf16 else torch.float32
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
     if config.quantize is None:
-        return load_base(model, dtype)
+        return load_base(model, dtype, device=device)
     if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(f"quantize={config.quantize!r} needs a CUDA GPU and the bitsandbytes package "
                          "(pip install bitsandbytes)")
@@ -280,7 +283,7 @@ def load_backbone(model: str | None, config: TrainConfig):
 
     bits = BitsAndBytesConfig(load_in_8bit=config.quantize == "8bit", load_in_4bit=config.quantize == "4bit",
                               bnb_4bit_compute_dtype=dtype)
-    return load_base(model, dtype, quantization_config=bits, device_map={"": torch.cuda.current_device()})
+    return load_base(model, dtype, quantization_config=bits, device_map={"": device})
 
 
 def make_heads(model: PreTrainedModel, config: TrainConfig, init_heads: str | Path | None) -> MedusaHeads:
