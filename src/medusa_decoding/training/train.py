@@ -45,7 +45,8 @@ from .states import AnswerStates, backbone_key
 
 OUTSIDE = -1  # a token's place where it is neither in the guess vocabulary (TrainConfig.guess_vocab) nor a target
 TOPK_ACCURACY = 5
-LOSS_CHUNK = 32  # positions whose head logits exist at once: [K, 32, V], 25 MB for SmolLM2 (fastest on a CPU)
+LOSS_CHUNK = 32  # positions whose head logits exist at once on a CPU: [K, 32, V], 25 MB for SmolLM2 (fastest there)
+GPU_LOSS_CHUNK = 1024  # on a GPU, where 32 at a time made a step of 1024 positions some 100 small recomputed graphs
 CHECKPOINTS = "checkpoints"
 STATES = "states"  # position_batch: the backbone's states, kept in parts until the run ends (states.AnswerStates)
 TRAINER_STATE = "trainer_state.json"  # the last file the Trainer writes into a checkpoint
@@ -67,8 +68,9 @@ def heads_loss(heads: MedusaHeads, lm_head: nn.Module, state: torch.Tensor, targ
     num_heads = heads.config.num_heads
     counts = (targets != IGNORE_INDEX).sum(-1) if counts is None else counts
     weights = decay ** torch.arange(num_heads, device=state.device) / counts.clamp(min=1)
-    split = [itertools.repeat(None) if x is None else x.split(LOSS_CHUNK) for x in (embeds, ahead)]
-    chunks = list(zip(state.split(LOSS_CHUNK), targets.split(LOSS_CHUNK, dim=1), *split))
+    size = LOSS_CHUNK if state.device.type == "cpu" else GPU_LOSS_CHUNK
+    split = [itertools.repeat(None) if x is None else x.split(size) for x in (embeds, ahead)]
+    chunks = list(zip(state.split(size), targets.split(size, dim=1), *split))
 
     def chunk_loss(chunk_state, chunk_targets, chunk_embeds, chunk_ahead):
         logits = heads(chunk_state, lm_head, embeds=chunk_embeds)
