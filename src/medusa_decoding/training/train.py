@@ -278,7 +278,7 @@ def load_backbone(model: str | None, config: TrainConfig):
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else None
     if config.quantize is None:
         return load_base(model, dtype, device=device)
-    if not torch.cuda.is_available() or importlib.util.find_spec("bitsandbytes") is None:
+    if device is None or importlib.util.find_spec("bitsandbytes") is None:
         raise ValueError(f"quantize={config.quantize!r} needs a CUDA GPU and the bitsandbytes package "
                          "(pip install bitsandbytes)")
     from transformers import BitsAndBytesConfig
