@@ -507,10 +507,11 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
     out = {name: kernels.OPS.linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
     fastest = kernels.OPS.linear_q8(x, *packed, out_features, -1)
     assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
-    for m in range(min(rows, 5)):  # each token as computed alone, and beside 2 to 11 others (every tile size)
+    for m in range(min(rows, 5)):  # each token as computed alone
         assert torch.equal(kernels.OPS.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
-        others = torch.cat([torch.randn(m + 2, in_features), x[m : m + 1], torch.randn(2 * m, in_features)])
-        assert torch.equal(kernels.OPS.linear_q8(others, *packed, out_features, -1)[m + 2], fastest[m])
+    for size in range(2, 18):  # and last among others: in a pass of every size a group's tokens take (8, the rest)
+        others = torch.cat([torch.randn(size - 1, in_features), x[:1]])
+        assert torch.equal(kernels.OPS.linear_q8(others, *packed, out_features, -1)[-1], fastest[0])
     torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
     exact = x @ weight.T
     assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
