@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from medusa_decoding.acceptance import greedy, longest_accepted_path, rejection, target_probs, typical
+from medusa_decoding.acceptance import CHUNK, argmax, greedy, longest_accepted_path, rejection, target_probs, typical
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.tree import Tree
 
@@ -32,6 +32,25 @@ def test_greedy_takes_the_longest_matching_path():
     assert path.tolist() == [0, 1, 3] and token == 8
     path, token = greedy(tokens, logits_with_argmax([6, 3, 4, 9, 5, 7]), tree, GREEDY)
     assert path.tolist() == [0] and token == 6  # nothing accepted: the base model's own next token
+
+
+def test_argmax_is_the_first_largest_logit_within_and_across_chunks():
+    logits = torch.randn(6, 4 * CHUNK, generator=torch.Generator().manual_seed(0))
+    logits[1, [CHUNK + 6, 3 * CHUNK]] = 9  # a tie across chunks
+    logits[2, [CHUNK + 1, CHUNK + 2]] = 9  # a tie within one
+    logits[3, -1], logits[4, 0] = 9, 9  # the last logit, the first
+    logits[5] = 0  # all tied
+    expected = [int(logits[0].argmax()), CHUNK + 6, CHUNK + 1, 4 * CHUNK - 1, 0, 0]
+    assert argmax(logits).tolist() == expected
+    assert argmax(logits[:, :-1]).tolist() == logits[:, :-1].max(-1).indices.tolist()  # not whole chunks
+    assert argmax(logits[1]).tolist() == CHUNK + 6  # one row
+
+
+def test_greedy_takes_the_longer_path_where_siblings_hold_the_same_token():
+    tree = Tree.from_spec([[0], [1], [1, 0]])  # nodes 1 (0,)  2 (1,)  3 (1, 0)
+    tokens = torch.tensor([0, 5, 5, 6])  # nodes 1 and 2 both hold 5 (drafts that were not merged)
+    path, token = greedy(tokens, logits_with_argmax([5, 1, 6, 8]), tree, GREEDY)
+    assert path.tolist() == [0, 2, 3] and token == 8
 
 
 def test_padding_is_never_accepted():

@@ -11,11 +11,22 @@ import torch
 from .config import GenerationConfig
 from .tree import PAD, Tree
 
+CHUNK = 64  # logits a chunk in `argmax`
+
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
-    """logits [..., V] -> [...]: the first largest logit's index, as `argmax`, through torch.max, 3x faster on a
-    CPU (SmolLM2's 49152 logits, 2 threads: 21 us a row against 62)."""
-    return logits.max(-1).indices
+    """logits [..., V] -> [...]: the first largest logit's index, as `argmax`. On a CPU a reduction with indices runs
+    one lane at a time (SmolLM2's 49152 logits: 35 us a row, 2 threads), a maximum alone runs vectorised: the maxima
+    of chunks of CHUNK logits, the first chunk that holds the largest, the first of its logits that is it (a 5-node
+    tree's rows: 41 us against 156)."""
+    if logits.device.type != "cpu" or logits.shape[-1] % CHUNK:
+        return logits.max(-1).indices
+    chunks = logits.unflatten(-1, (-1, CHUNK))  # [..., V / CHUNK, CHUNK]
+    maxima = chunks.amax(-1)
+    largest = maxima.amax(-1, keepdim=True)
+    first = (maxima == largest).byte().argmax(-1)  # the first chunk holding the largest logit
+    chunk = chunks.gather(-2, first[..., None, None].expand(*first.shape, 1, CHUNK)).squeeze(-2)
+    return first * CHUNK + (chunk == largest).byte().argmax(-1)
 
 
 def target_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
@@ -56,11 +67,21 @@ def longest_accepted_path(accepted: torch.Tensor, tree: Tree) -> torch.Tensor:
 
 
 def greedy(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):
-    """Lossless: accept a node when it equals the argmax after its parent."""
-    best = argmax(logits)  # [N+1]
-    accepted = tokens == best[tree.parents.clamp_min(0)]
-    path = longest_accepted_path(accepted, tree)
-    return path, int(best[path[-1]])
+    """Lossless: accept a node when it equals the argmax after its parent. Siblings hold distinct tokens (a head's
+    top-k, grafted drafts merged where they agree), so at most one child of a node is accepted: the path is walked
+    from the root on the host, a few list reads (where two siblings are both accepted, the longest path decides)."""
+    best, listed = argmax(logits).tolist(), tokens.tolist()  # [N+1] each
+    path = [0]
+    while True:
+        node = path[-1]
+        accepted = [child for child in tree.children[node] if listed[child] == best[node]]
+        if len(accepted) > 1:
+            path = longest_accepted_path(tokens == tokens.new_tensor(best)[tree.parents.clamp_min(0)], tree).tolist()
+            break
+        if not accepted:
+            break
+        path.append(accepted[0])
+    return torch.tensor(path), best[path[-1]]
 
 
 def typical(tokens, logits, tree: Tree, config: GenerationConfig, generator=None):

@@ -13,6 +13,7 @@ reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives
 `[h; f_l1; ...]`). Their columns start at zero too.
 """
 
+import itertools
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -133,11 +134,11 @@ class MedusaHeads(nn.Module):
         hidden = hidden[..., :size]
         states = []
         for k in range(first, self.config.num_heads if num_heads is None else num_heads):
-            blocks = self.heads[k][: self.config.num_layers]
+            blocks = itertools.islice(self.heads[k], self.config.num_layers)  # a slice of a Sequential builds one
             context = [c for c in (features, embeds[..., : k + 1, :] if self.config.kind == "hydra" else None)
                        if c is not None]
-            x = blocks[0](hidden, torch.cat(context, -2) if context else None)
-            for block in blocks[1:]:
+            x = next(blocks)(hidden, torch.cat(context, -2) if context else None)
+            for block in blocks:
                 x = block(x)
             states.append(x)
         return torch.stack(states)

@@ -34,7 +34,7 @@ def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root:
     if heads.config.kind == "medusa" or not keep:
         return tokens, tops if keep else None
     guesses = {(() if node == 0 else watched.paths[node - 1]): top
-               for (nodes, _, _), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
+               for (nodes, *_), level in zip(watched.levels, tops) for node, top in zip(nodes.tolist(), level.tolist())}
     return tokens, guesses
 
 

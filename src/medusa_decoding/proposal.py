@@ -20,11 +20,11 @@ def candidates(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, 
         return torch.cat([root[:, None], guesses[tree.heads, :, tree.ranks].T], 1), guesses
     tokens = torch.cat([root[:, None], root.new_zeros(len(root), tree.num_nodes - 1)], 1)
     tops = []
-    for depth, (parents, children, rows) in enumerate(tree.levels):
-        paths = tokens[:, tree.chains[parents, : depth + 1]]  # [B, n, depth+1]
+    for depth, (parents, children, rows, chains, ranks) in enumerate(tree.levels):
+        paths = tokens[:, chains]  # [B, n, depth+1]
         expanded = hidden[:, None].expand(-1, len(parents), -1)
         top = heads.guesses(expanded, lm_head, k, depth + 1, embed(paths), first=depth, own=own)[0]  # [B, n, k]
-        tokens[:, children] = top[:, rows, tree.ranks[children - 1]]
+        tokens[:, children] = top[:, rows, ranks]
         tops.append(top)
     return tokens, tops
 

@@ -95,6 +95,8 @@ def graft(tree: Tree, tokens: torch.Tensor, proposal: Proposal) -> tuple[Tree, t
     and the proposal's nodes in it. The first proposal is the tree as it stands. A later one follows the tree where
     its tokens are the tree's along a path (one node, verified once); from its first other token on it hangs its own
     nodes there, under its own ranks (the next free one where taken)."""
+    if proposal.tree.num_nodes == 1:  # nothing offered
+        return tree, tokens, []
     if tree.num_nodes == 1:
         added = proposal.tokens if torch.is_tensor(proposal.tokens) else tokens.new_tensor(proposal.tokens)
         return proposal.tree, torch.cat([tokens, added]), list(range(1, proposal.tree.num_nodes))

@@ -40,8 +40,9 @@ class Tree:
     children: tuple[tuple[int, ...], ...]  # [N+1] each node's children, by rank
     chains: torch.Tensor  # [N+1, D+1] root-to-node indices of every node, PAD-filled
     # per depth d < D: (the nodes at d that have children [n], their children [m], each child's parent among those n
-    # [m]): what one head call per depth expands (proposal.candidates)
-    levels: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
+    # [m], those n nodes' chains [n, d+1], each child's rank [m]): what one head call per depth expands
+    # (proposal.candidates)
+    levels: tuple[tuple[torch.Tensor, ...], ...]
 
     @property
     def num_nodes(self) -> int:
@@ -178,7 +179,8 @@ def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
         expanded = [i for i in range(n) if depths[i] == d and children[i]]
         kids = [c for i in expanded for c in children[i]]
         levels.append((torch.tensor(expanded), torch.tensor(kids),
-                       torch.tensor([row for row, i in enumerate(expanded) for _ in children[i]])))
+                       torch.tensor([row for row, i in enumerate(expanded) for _ in children[i]]),
+                       chains[expanded, : d + 1], torch.tensor([paths[c - 1][-1] for c in kids], dtype=torch.long)))
     return Tree(
         paths=paths,
         attention=attention,
