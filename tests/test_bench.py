@@ -108,6 +108,10 @@ def test_figures_agree(greedy):
         for name in DECODERS:
             assert math.isclose(s["tokens_per_s"][name], totals[name]["new_tokens"] / totals[name]["seconds"])
         assert math.isclose(s["speedup_vs_transformers"], s["tokens_per_s"]["medusa"] / s["tokens_per_s"]["transformers"])
+        medusa, plain = totals["medusa"], totals["plain"]  # after each turn's first token: the steps alone
+        assert 0 < s["prefill_share"] == plain["first_token_seconds"] / plain["seconds"] < 1
+        decode = [(t["new_tokens"] - s["turns"]) / (t["seconds"] - t["first_token_seconds"]) for t in (medusa, plain)]
+        assert math.isclose(s["decode_speedup"], decode[0] / decode[1])
     for name in DECODERS:  # categories add up to overall, and overall to the per-turn records
         for key in ("new_tokens", "steps", "seconds"):
             by_category = sum(s["totals"][name][key] for s in greedy["categories"].values())
@@ -155,7 +159,7 @@ def test_nothing_compiles_on_the_clock(tiny, questions, monkeypatch):
     # the guard moves up the ladder as a turn goes on: the largest tree only after the warm-up's 8 tokens
     def choose(guard, context, batch=1, pooled=None):
         ladder, watched = guard.ladder.trees, guard.watched
-        return ladder[min(len(guard.generated) // 3, len(ladder) - 1)], watched if watched.num_nodes > 1 else None
+        return ladder[min(len(guard.generated) // 3, len(ladder) - 1)], watched  # None: plain decoding's root alone
 
     monkeypatch.setattr(Guard, "choose", choose)
     rivals = {"wide": tiny.with_heads(tiny.heads, Tree.from_spec([3, 2]), compiled=True)}

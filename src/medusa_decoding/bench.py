@@ -60,6 +60,8 @@ class Totals:
     seconds: float = 0.0
     accept_lengths: Counter = field(default_factory=Counter)
     drafted: int = 0  # tokens only a draft (lookup, corpus) proposed
+    turns: int = 0
+    first_seconds: float = 0.0  # to each turn's first token: the prefill, the same work for MEDUSA and plain
 
     def add(self, out: GenerationOutput) -> None:
         self.new_tokens += len(out.token_ids)
@@ -67,10 +69,17 @@ class Totals:
         self.steps += out.steps
         self.seconds += out.seconds
         self.accept_lengths.update(out.accept_lengths)
+        self.turns += 1
+        self.first_seconds += out.first_token_seconds
 
     @property
     def tokens_per_s(self) -> float:
         return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """The tokens after each turn's first over their seconds: the steps alone, without the prefill."""
+        return ratio(self.new_tokens - self.turns, self.seconds - self.first_seconds)
 
     @property
     def seconds_per_step(self) -> float:
@@ -364,11 +373,13 @@ def ratio(a: float, b: float) -> float:
 
 
 def gains(decoder: Totals, plain: Totals, hf: Totals) -> dict:
-    """A speculative decoder's figures: tokens per step, step time and speed against plain decoding, speed against
+    """A speculative decoder's figures: tokens per step, step time and speed against plain decoding (and after the
+    prefill alone: a long prompt's prefill, the same for both, dilutes the speedup of the whole), speed against
     `transformers` generate."""
     return {"acceleration_rate": ratio(decoder.new_tokens, decoder.steps),
             "overhead": ratio(decoder.seconds_per_step, plain.seconds_per_step),
             "speedup": ratio(decoder.tokens_per_s, plain.tokens_per_s),
+            "decode_speedup": ratio(decoder.decode_tokens_per_s, plain.decode_tokens_per_s),
             "speedup_vs_transformers": ratio(decoder.tokens_per_s, hf.tokens_per_s)}
 
 
@@ -403,7 +414,9 @@ def summary(outputs: list[dict[str, GenerationOutput]]) -> dict:
         "tree_sizes": {str(n): trees[n] for n in sorted(trees)},  # MEDUSA's steps by candidates verified
         "mean_tree_size": ratio(sum(n * c for n, c in trees.items()), trees.total()),
         "plain_step_share": ratio(trees[0], trees.total()),
-        "totals": {name: {"new_tokens": t.new_tokens, "steps": t.steps, "seconds": t.seconds} for name, t in totals.items()},
+        "prefill_share": ratio(plain.first_seconds, plain.seconds),  # of plain decoding's time, to the first tokens
+        "totals": {name: {"new_tokens": t.new_tokens, "steps": t.steps, "seconds": t.seconds,
+                          "first_token_seconds": t.first_seconds} for name, t in totals.items()},
     }
 
 
@@ -444,7 +457,7 @@ def table(report: dict) -> str:
     """One row per category and one for all: tokens/s of each decoder, and the ratios that explain them."""
     header = (f"{'category':<14} {'turns':>5} {'tokens':>7} {'MEDUSA tok/s':>12} {'plain tok/s':>11} {'HF tok/s':>9} "
               f"{'tokens/step':>11} {'drafted':>7} {'tree':>5} {'plain steps':>11} {'overhead':>8} {'speedup':>8} "
-              f"{'vs HF':>6}")
+              f"{'prefill':>7} {'decoding':>8} {'vs HF':>6}")
     llama, rivals = "speedup_vs_llama_cpp" in report["overall"], list(report["overall"].get("rivals", {}))
     rows = [header + (f" {'llama.cpp tok/s':>15} {'vs llama.cpp':>12}" if llama else "")]
     for name, s in [*sorted(report["categories"].items()), ("all", report["overall"])]:
@@ -453,7 +466,7 @@ def table(report: dict) -> str:
                     f"{speed['transformers']:>9.1f} {s['acceleration_rate']:>11.2f} {s['drafted_per_step']:>7.2f} "
                     f"{s['mean_tree_size']:>5.1f} "
                     f"{s['plain_step_share']:>11.0%} {s['overhead']:>8.2f} {s['speedup']:>7.2f}x "
-                    f"{s['speedup_vs_transformers']:>5.2f}x"
+                    f"{s['prefill_share']:>7.0%} {s['decode_speedup']:>7.2f}x {s['speedup_vs_transformers']:>5.2f}x"
                     + (f" {speed[LLAMA_CPP]:>15.1f} {s['speedup_vs_llama_cpp']:>11.2f}x" if llama else ""))
     if rivals:
         rows.append(f"\n{'rival':<22} {'category':<14} {'tok/s':>7} {'tokens/step':>11} {'overhead':>8} {'speedup':>8} "
@@ -465,7 +478,9 @@ def table(report: dict) -> str:
                             f"{r['acceleration_rate']:>11.2f} {r['overhead']:>8.2f} {r['speedup']:>7.2f}x "
                             f"{r['speedup_vs_transformers']:>5.2f}x {r['speedup_vs_medusa']:>8.2f}x")
     rows.append("drafted: of MEDUSA's tokens a step, those only its drafts proposed; tree: its mean candidates "
-                "per step; plain steps: its steps that verified no candidate (the guard of --tree auto)")
+                "per step; plain steps: its steps that verified no candidate (the guard of --tree auto); prefill: of "
+                "plain decoding's time, the share to each turn's first token (the prompt's pass, the same for both); "
+                "decoding: MEDUSA's speedup after it")
     lossless = {True: "yes", False: "NO", None: "n/a (sampling)"}[report["lossless"]]
     if report["lossless"] is False:
         parted = [f"{name} at token {record['agreed_with_plain']} of q{turn['question_id']}.{turn['turn']}"
