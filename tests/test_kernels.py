@@ -509,9 +509,12 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
     assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
     for m in range(min(rows, 5)):  # each token as computed alone
         assert torch.equal(kernels.OPS.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
-    for size in range(2, 18):  # and last among others: in a pass of every size a group's tokens take (8, the rest)
-        others = torch.cat([torch.randn(size - 1, in_features), x[:1]])
-        assert torch.equal(kernels.OPS.linear_q8(others, *packed, out_features, -1)[-1], fastest[0])
+    for size in range(2, 18):  # and first or last among others: in every pass size a group's tokens take (8, the rest)
+        m, others = size % min(rows, 5), torch.randn(size, in_features)
+        for at in (0, size - 1):
+            batch = others.clone()
+            batch[at] = x[m]
+            assert torch.equal(kernels.OPS.linear_q8(batch, *packed, out_features, -1)[at], fastest[m])
     torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
     exact = x @ weight.T
     assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
