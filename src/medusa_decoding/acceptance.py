@@ -72,15 +72,10 @@ def greedy(tokens, logits, tree: Tree, config: GenerationConfig, generator=None)
     from the root on the host, a few list reads (where two siblings are both accepted, the longest path decides)."""
     best, listed = argmax(logits).tolist(), tokens.tolist()  # [N+1] each
     path = [0]
-    while True:
-        node = path[-1]
-        accepted = [child for child in tree.children[node] if listed[child] == best[node]]
-        if len(accepted) > 1:
-            path = longest_accepted_path(tokens == tokens.new_tensor(best)[tree.parents.clamp_min(0)], tree).tolist()
-            break
-        if not accepted:
-            break
+    while len(accepted := [child for child in tree.children[path[-1]] if listed[child] == best[path[-1]]]) == 1:
         path.append(accepted[0])
+    if accepted:  # two siblings accepted
+        path = longest_accepted_path(tokens == tokens.new_tensor(best)[tree.parents.clamp_min(0)], tree).tolist()
     return torch.tensor(path), best[path[-1]]
 
 

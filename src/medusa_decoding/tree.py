@@ -174,20 +174,21 @@ def _build(paths: tuple[tuple[int, ...], ...]) -> Tree:
             chain.append(parents[chain[-1]])
         chains[node, : len(chain)] = torch.tensor(chain[::-1])
     depths = [0] + [len(p) for p in paths]
+    ranks = torch.tensor([p[-1] for p in paths], dtype=torch.long)
     levels = []
     for d in range(depth):
         expanded = [i for i in range(n) if depths[i] == d and children[i]]
         kids = [c for i in expanded for c in children[i]]
         levels.append((torch.tensor(expanded), torch.tensor(kids),
                        torch.tensor([row for row, i in enumerate(expanded) for _ in children[i]]),
-                       chains[expanded, : d + 1], torch.tensor([paths[c - 1][-1] for c in kids], dtype=torch.long)))
+                       chains[expanded, : d + 1], ranks[[c - 1 for c in kids]]))
     return Tree(
         paths=paths,
         attention=attention,
         depths=torch.tensor(depths),
         parents=torch.tensor(parents),
         heads=torch.tensor([len(p) - 1 for p in paths], dtype=torch.long),
-        ranks=torch.tensor([p[-1] for p in paths], dtype=torch.long),
+        ranks=ranks,
         leaf_paths=chains[[i for i in range(n) if not children[i]]],
         children=tuple(tuple(c) for c in children),
         chains=chains,
