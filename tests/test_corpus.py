@@ -12,7 +12,7 @@ from engine_helpers import decode, greedy_reference, lively_model, random_heads
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.corpus import CORPUS_NAME, ORDER, SHARES, CorpusDraft, CorpusIndex
 from medusa_decoding.decoding import PLAIN
-from medusa_decoding.proposers import StepStart
+from medusa_decoding.proposers import SoFar, StepStart
 from medusa_decoding.tree import Tree
 
 
@@ -68,7 +68,7 @@ def test_the_index_file_round_trips_and_a_corrupt_one_is_a_clear_error(tmp_path)
 
 
 def offered(draft: CorpusDraft, budget: int, cost) -> list[int]:
-    return list(draft.propose(StepStart(0, torch.zeros(1), 0, budget, 1, None), 1.0, cost).tokens)
+    return list(draft.propose(StepStart(0, torch.zeros(1), 0, budget, 1, None), SoFar(1.0, cost, PLAIN, torch.tensor([0]))).tokens)
 
 
 def test_a_chain_follows_the_index_as_far_as_it_pays_and_misses_shorten_the_next():

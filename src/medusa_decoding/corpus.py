@@ -5,14 +5,14 @@ most frequent continuation of the longest matching context is the model's next g
 heads' top guess, and a chain of them costs no model call at all.
 """
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .proposers import Proposal, StepStart, tally, worth
+from .proposers import Proposal, SoFar, StepStart, tally, worth
 
 ORDER = 4  # the longest context matched: more matched rarely and added little on SmolLM2's answers
 MIN_SEEN = 4  # contexts seen fewer times are left out: a fraction of the bytes, as many tokens a step
@@ -20,6 +20,7 @@ CORPUS_NAME = "corpus.safetensors"  # the index, beside the heads it drafts with
 # a chain token's chance of being right, by the share of its context's continuations that it had in the corpus: the
 # lower edge of each bin (shares of SHARES[i] up to SHARES[i + 1]) as its prior, then counted as the request goes
 SHARES = (0.0, 0.3, 0.5, 0.7, 0.9)
+APART = 0.5  # a prior's factor for a token beside the tree's own candidates: right only where they are wrong
 
 
 def context_key(tokens: Sequence[int]) -> int:
@@ -108,31 +109,37 @@ class CorpusIndex:
 
 class CorpusDraft:
     """One row's corpus source (a proposers.Proposer): a chain that follows the index from the row's last tokens, each
-    token right as often as the corpus's tokens of its share have been in this request, as much of it as pays for its
-    nodes (proposers.worth)."""
+    token right as often as the corpus's tokens of its share have been in this request (apart for the first token off
+    the step's tree where the tree has candidates of its own there), as much of it as pays for its nodes
+    (proposers.worth)."""
 
     def __init__(self, index: CorpusIndex, tokens: Sequence[int], max_length: int):
         self.index, self.max_length = index, max_length
         self.context = list(tokens[-ORDER:])
-        self.right = list(SHARES)  # per share bin: P(a chain token is right | the one before was)
-        self.counted = [0] * len(SHARES)
+        # per share bin, then per share bin beside the tree's candidates: P(a chain token is right | the one before was)
+        self.right = list(SHARES) + [share * APART for share in SHARES]
+        self.counted = [0] * (2 * len(SHARES))
         self.bins: list[int] = []  # the bins of the last chain offered
 
-    def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
+    def propose(self, start: StepStart, step: SoFar) -> Proposal:
         """The index's chain from the row's last tokens, as much of it as pays (Proposer.propose): the index is
         followed one token at a time, as long as `worth` reads on."""
         chain, self.bins = [], []
 
         def chances():
-            context = list(self.context)
+            context, held = list(self.context), True  # held: every token so far is the tree's
             while len(chain) < min(self.max_length, start.budget) and (found := self.index.next(context)) is not None:
                 token, share = found
                 chain.append(token)
                 context.append(token)
                 self.bins.append(int(np.searchsorted(SHARES, share, side="right")) - 1)
-                yield self.right[self.bins[-1]]
+                if held:
+                    held = step.held(chain) == len(chain)
+                    if not held and step.branches(chain[:-1]):
+                        self.bins[-1] += len(SHARES)
+                yield self.right[self.bins[-1]], held
 
-        keep, gained = worth(chances(), tokens, cost)
+        keep, gained = worth(chances(), step.tokens, step.cost)
         self.bins = self.bins[:keep]
         return Proposal.chain(chain[:keep], gained, self.max_length)
 

@@ -28,7 +28,7 @@ from .heads import MedusaHeads, OwnTokens
 from .heads_draft import HeadsDraft
 from .kernels import guess_projection
 from .lookup import LookupDraft
-from .proposers import Proposer, StepStart, drafted, graft, step_cost
+from .proposers import Proposer, SoFar, StepStart, drafted, graft, step_cost
 from .tree import Tree, build, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -151,14 +151,15 @@ class Batch:
                 for row, plan, path, (_, root) in zip(rows, plans, paths, accepted)]
 
     def plan(self, row: Row, pooled: list[float] | None) -> Plan:
-        """Propose: every proposer's candidates, grafted into one tree, each offered the step as it stands (what it
-        yields with the proposals before, and the cost of more nodes: from the calibrated latencies per tree size)."""
+        """Propose: every proposer's candidates, grafted into one tree, each offered the step as it stands (SoFar: what
+        it yields with the proposals before, the cost of more nodes from the calibrated latencies per tree size, and
+        the tree)."""
         start = StepStart(row.root, row.heads_input, row.length, row.config.max_new_tokens - row.produced - 1,
                           len(self.rows), pooled)
         tree, tokens, yields, room, chains = PLAIN, torch.tensor([row.root], device=row.heads_input.device), 1.0, 0, []
         for proposer in row.proposers:
             cost = step_cost(row.heads.guard.ladder, row.length, len(self.rows), tree.num_nodes)
-            proposal = proposer.propose(start, yields, cost)
+            proposal = proposer.propose(start, SoFar(yields, cost, tree, tokens))
             tree, tokens, nodes = graft(tree, tokens, proposal)
             yields, room = yields + proposal.gained, room + proposal.room
             chains.append(nodes)

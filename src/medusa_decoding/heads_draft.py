@@ -7,7 +7,7 @@ import torch
 from .guard import Guard
 from .heads import MedusaHeads, OwnTokens
 from .proposal import candidates
-from .proposers import Proposal, StepStart
+from .proposers import Proposal, SoFar, StepStart
 from .tree import Tree, build, node_index, on_device
 
 
@@ -113,8 +113,8 @@ class HeadsDraft:
         self.uncut = False  # whether the last step's tree was the guard's pick as it stands
         self.context = 0  # the last step's context
 
-    def propose(self, start: StepStart, tokens: float, cost) -> Proposal:
-        """The guard's tree (its own weighing of yields against calibrated step times: `cost` is not needed)."""
+    def propose(self, start: StepStart, step: SoFar) -> Proposal:
+        """The guard's tree (its own weighing of yields against calibrated step times: `step` is not needed)."""
         picked, watched = self.guard.choose(start.context, start.batch, start.pooled)  # watched: guessed for, or None
         room = picked.num_nodes - 1
         if self.guard.ladder.confident and watched is not None:  # the tree: the likeliest nodes of this step

@@ -4,9 +4,9 @@ Code, quotes and edits repeat their own context, so the tokens that followed the
 the stream's last few tokens are a cheap guess at what comes next, with no model at all.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-from .proposers import Proposal, StepStart, tally, worth
+from .proposers import Proposal, SoFar, StepStart, tally, worth
 
 
 class Lookup:
@@ -50,27 +50,36 @@ class Lookup:
 
 
 PRIOR = 0.5  # a chain token's chance of being right before any is counted (proposers.tally)
+APART_PRIOR = 0.25  # the same for a token beside the tree's own candidates there: right only where they are wrong
 
 
 class LookupDraft:
     """One row's lookup source (a proposers.Proposer): the index over its prompt and answer, and how often its chain
-    tokens were right (given the one before was), per match length: the confidence it offers them with. On a CPU every
-    node verified costs time, so the step keeps a long chain only where matches have been right (proposers.worth)."""
+    tokens were right (given the one before was), per match length, apart for the first token off the step's tree
+    where the tree has candidates of its own there: the confidence it offers them with. On a CPU every node verified
+    costs time, so the step keeps a long chain only where matches have been right (proposers.worth)."""
 
     def __init__(self, prompt: Sequence[int], max_length: int, max_ngram: int = 4):
         self.index, self.max_length = Lookup(prompt, max_ngram), max_length
-        self.right = [PRIOR] * max_ngram  # per match length: P(a chain token is right | the one before was)
-        self.counted = [0] * max_ngram
-        self.match = 0  # the match length of the last chain offered
+        # per match length, then per match length beside the tree's candidates: P(a chain token is right | the one
+        # before was)
+        self.right = [PRIOR] * max_ngram + [APART_PRIOR] * max_ngram
+        self.counted = [0] * (2 * max_ngram)
+        self.bins: list[int] = []  # the bins of the last chain offered
 
-    def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
+    def propose(self, start: StepStart, step: SoFar) -> Proposal:
         """The continuation of the stream's longest recurring suffix, each token right as often as this match
         length's have been, as much of it as pays for its nodes (proposers.worth)."""
-        chain, self.match = self.index.propose(min(self.max_length, start.budget))
-        keep, gained = worth([self.right[self.match - 1]] * len(chain), tokens, cost)
+        chain, match = self.index.propose(min(self.max_length, start.budget))
+        held = step.held(chain)
+        self.bins = [match - 1] * len(chain)
+        if held < len(chain) and step.branches(chain[:held]):
+            self.bins[held] += self.index.max_ngram
+        keep, gained = worth(((self.right[b], i < held) for i, b in enumerate(self.bins)), step.tokens, step.cost)
+        self.bins = self.bins[:keep]
         return Proposal.chain(chain[:keep], gained, self.max_length)
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         """Counts which chain tokens were right, then extends the index."""
-        tally(self.right, self.counted, [self.match - 1] * len(nodes), nodes, path)
+        tally(self.right, self.counted, self.bins, nodes, path)
         self.index.extend(new)

@@ -5,8 +5,9 @@ accepted. The step never asks what kind of proposer it has: the heads (heads_dra
 (lookup.LookupDraft) are two; a new source of drafts is one more class with these two calls.
 """
 
+import functools
 import itertools
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -50,12 +51,45 @@ class Proposal:
         return Proposal(build(tuple((DRAFT_RANK,) * depth for depth in range(1, len(tokens) + 1))), tokens, gained, room)
 
 
+@dataclass(eq=False)
+class SoFar:
+    """The step as the proposers before one left it: the tokens it is expected to yield, cost(n) (its time with n
+    more nodes, as a share of its time without them: step_cost), and its tree with the tokens [N+1] (the root first),
+    from which a chain learns which of its tokens the step verifies already (`held`)."""
+
+    tokens: float
+    cost: Callable[[int], float]
+    tree: Tree
+    tree_tokens: torch.Tensor
+
+    @functools.cached_property
+    def _paths(self) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
+        """The tokens along each node's path after the root, and those of the nodes with children."""
+        listed = self.tree_tokens.tolist()
+        along = {(): ()}
+        for path, token in sorted(zip(self.tree.paths, listed[1:]), key=lambda item: len(item[0])):
+            along[path] = along[path[:-1]] + (token,)
+        return set(along.values()), {along[path[:-1]] for path in self.tree.paths}
+
+    def held(self, chain: Sequence[int]) -> int:
+        """How many of `chain`'s first tokens the tree holds, along a path from the root."""
+        if self.tree.num_nodes == 1:
+            return 0
+        paths = self._paths[0]
+        return next((i for i in range(len(chain)) if tuple(chain[: i + 1]) not in paths), len(chain))
+
+    def branches(self, prefix: Sequence[int]) -> bool:
+        """Whether the tree's node after the root along `prefix` (tokens it holds) has children: a chain's next
+        token there is their sibling, right only where they are all wrong."""
+        return self.tree.num_nodes > 1 and tuple(prefix) in self._paths[1]
+
+
 class Proposer(Protocol):
     """One row's source of candidates (decoding.Row.proposers)."""
 
-    def propose(self, start: StepStart, tokens: float, cost: Callable[[int], float]) -> Proposal:
-        """This step's candidates, given what the step yields with the proposals before this one (`tokens`) and
-        cost(n): its time with n more nodes, as a share of its time without them (`worth` weighs the two)."""
+    def propose(self, start: StepStart, step: SoFar) -> Proposal:
+        """This step's candidates, given the step as the proposals before this one left it (`worth` weighs what
+        more nodes yield against what they cost)."""
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         """After the step: its proposal's nodes in the verified tree (in its node order), the accepted `path` (node
@@ -63,19 +97,23 @@ class Proposer(Protocol):
         or other rows too, so the time is not this proposal's)."""
 
 
-def worth(right: Iterable[float], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
-    """How many tokens of a chain to verify, each right with chance right[i] given the ones before: the prefix with
-    the most expected tokens per unit of step time, and the tokens it is expected to add. tokens: what the step
-    yields without it; cost as Proposer.propose's. A token counts only if every one before it is accepted, so each
-    adds less than the one before: with a cost linear in nodes none pays after the first that does not, and `right`
-    is read no further (a lazy chain is walked only as far as it pays)."""
-    gained, chance, length, speed = 0.0, 1.0, 0, tokens
-    for p in right:
-        chance *= p
-        if (longer := (tokens + gained + chance) / cost(length + 1)) <= speed:
+def worth(right: Iterable[tuple[float, bool]], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
+    """How many tokens of a chain to verify: right holds, per token, its chance of being right given the ones before,
+    and whether the step's tree holds it already (SoFar.held: a node verified anyway, whose yield `tokens` counts).
+    -> the prefix with the most expected tokens per unit of step time, and the tokens it is expected to add. tokens:
+    what the step yields without it; cost as SoFar's, of the chain's own nodes. A token counts only if every one
+    before it is accepted, so each adds less than the one before: with a cost linear in nodes none pays after the
+    first that does not, and `right` is read no further (a lazy chain is walked only as far as it pays)."""
+    gained, chance, length, own, kept, speed = 0.0, 1.0, 0, 0, 0, tokens
+    for p, held in right:
+        chance, length = chance * p, length + 1
+        if held:
+            continue
+        own += 1
+        if (longer := (tokens + gained + chance) / cost(own)) <= speed:
             break
-        gained, length, speed = gained + chance, length + 1, longer
-    return length, gained
+        gained, kept, speed = gained + chance, length, longer
+    return kept, gained
 
 
 def tally(right: list[float], counted: list[int], bins: list[int], nodes: list[int], path: list[int]) -> None:
