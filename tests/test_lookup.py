@@ -181,10 +181,14 @@ def test_tokens_the_tree_holds_cost_no_node_and_add_no_yield():
 def test_the_step_so_far_tells_a_chain_what_its_tree_holds():
     tree, tokens = Tree.from_spec([[0], [1], [0, 0]]), torch.tensor([10, 20, 21, 30])  # 20 then 30, or 21
     step = SoFar(1.5, lambda n: 1.0, tree, tokens)
-    assert [step.held(chain) for chain in ([20, 30, 5], [21, 9], [5], [30], [])] == [2, 1, 0, 0, 0]
-    assert [step.branches(prefix) for prefix in ([], [20], [21], [20, 30])] == [True, True, False, False]
+    held, apart, off = (True, False), (False, True), (False, False)  # (held, first off the tree beside its own)
+    assert list(step.places([20, 30, 5])) == [held, held, off]  # (0, 0) has no children: 5 stands alone
+    assert list(step.places([21, 9])) == [held, off]
+    assert list(step.places([20, 7, 20])) == [held, apart, off]  # beside 30; past the tree nothing is held again
+    assert list(step.places([5])) == [apart] and list(step.places([30])) == [apart]  # beside 20 and 21
+    assert list(step.places([])) == []
     root = SoFar(1.0, lambda n: 1.0, PLAIN, torch.tensor([10]))
-    assert root.held([20]) == 0 and not root.branches([])
+    assert list(root.places([20, 30])) == [off, off]
 
 
 def test_a_chain_is_priced_by_the_tokens_it_adds_to_the_tree():

@@ -124,19 +124,20 @@ class CorpusDraft:
     def propose(self, start: StepStart, step: SoFar) -> Proposal:
         """The index's chain from the row's last tokens, as much of it as pays (Proposer.propose): the index is
         followed one token at a time, as long as `worth` reads on."""
-        chain, self.bins = [], []
+        chain, shares, self.bins = [], [], []
 
-        def chances():
-            context, held = list(self.context), True  # held: every token so far is the tree's
+        def follow():  # the index's tokens from the row's last ones, one at a time
+            context = list(self.context)
             while len(chain) < min(self.max_length, start.budget) and (found := self.index.next(context)) is not None:
                 token, share = found
                 chain.append(token)
                 context.append(token)
-                self.bins.append(int(np.searchsorted(SHARES, share, side="right")) - 1)
-                if held:
-                    held = step.held(chain) == len(chain)
-                    if not held and step.branches(chain[:-1]):
-                        self.bins[-1] += len(SHARES)
+                shares.append(share)
+                yield token
+
+        def chances():
+            for held, apart in step.places(follow()):
+                self.bins.append(int(np.searchsorted(SHARES, shares[-1], side="right")) - 1 + len(SHARES) * apart)
                 yield self.right[self.bins[-1]], held
 
         keep, gained = worth(chances(), step.tokens, step.cost)

@@ -71,11 +71,9 @@ class LookupDraft:
         """The continuation of the stream's longest recurring suffix, each token right as often as this match
         length's have been, as much of it as pays for its nodes (proposers.worth)."""
         chain, match = self.index.propose(min(self.max_length, start.budget))
-        held = step.held(chain)
-        self.bins = [match - 1] * len(chain)
-        if held < len(chain) and step.branches(chain[:held]):
-            self.bins[held] += self.index.max_ngram
-        keep, gained = worth(((self.right[b], i < held) for i, b in enumerate(self.bins)), step.tokens, step.cost)
+        placed = list(step.places(chain))
+        self.bins = [match - 1 + self.index.max_ngram * apart for _, apart in placed]
+        keep, gained = worth(((self.right[b], held) for b, (held, _) in zip(self.bins, placed)), step.tokens, step.cost)
         self.bins = self.bins[:keep]
         return Proposal.chain(chain[:keep], gained, self.max_length)
 

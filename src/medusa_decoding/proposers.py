@@ -7,7 +7,7 @@ accepted. The step never asks what kind of proposer it has: the heads (heads_dra
 
 import functools
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,7 +55,7 @@ class Proposal:
 class SoFar:
     """The step as the proposers before one left it: the tokens it is expected to yield, cost(n) (its time with n
     more nodes, as a share of its time without them: step_cost), and its tree with the tokens [N+1] (the root first),
-    from which a chain learns which of its tokens the step verifies already (`held`)."""
+    from which a chain learns which of its tokens the step verifies already (`places`)."""
 
     tokens: float
     cost: Callable[[int], float]
@@ -65,23 +65,26 @@ class SoFar:
     @functools.cached_property
     def _paths(self) -> tuple[set[tuple[int, ...]], set[tuple[int, ...]]]:
         """The tokens along each node's path after the root, and those of the nodes with children."""
+        if self.tree.num_nodes == 1:  # the root alone: nothing to read back from the device
+            return {()}, set()
         listed = self.tree_tokens.tolist()
         along = {(): ()}
         for path, token in sorted(zip(self.tree.paths, listed[1:]), key=lambda item: len(item[0])):
             along[path] = along[path[:-1]] + (token,)
         return set(along.values()), {along[path[:-1]] for path in self.tree.paths}
 
-    def held(self, chain: Sequence[int]) -> int:
-        """How many of `chain`'s first tokens the tree holds, along a path from the root."""
-        if self.tree.num_nodes == 1:
-            return 0
-        paths = self._paths[0]
-        return next((i for i in range(len(chain)) if tuple(chain[: i + 1]) not in paths), len(chain))
-
-    def branches(self, prefix: Sequence[int]) -> bool:
-        """Whether the tree's node after the root along `prefix` (tokens it holds) has children: a chain's next
-        token there is their sibling, right only where they are all wrong."""
-        return self.tree.num_nodes > 1 and tuple(prefix) in self._paths[1]
+    def places(self, chain: Iterable[int]) -> Iterator[tuple[bool, bool]]:
+        """Per token of a chain after the root (read as it is needed: a lazy chain stays lazy): whether the tree holds
+        it (and every one before it, along a path), and whether it is the first the tree does not hold beside the
+        tree's own candidates there (their sibling: right only where they are all wrong)."""
+        paths, parents = self._paths
+        prefix, held = (), True
+        for token in chain:
+            if not held:
+                yield False, False
+                continue
+            held = (prefix := prefix + (token,)) in paths
+            yield held, not held and prefix[:-1] in parents
 
 
 class Proposer(Protocol):
@@ -99,7 +102,7 @@ class Proposer(Protocol):
 
 def worth(right: Iterable[tuple[float, bool]], tokens: float, cost: Callable[[int], float]) -> tuple[int, float]:
     """How many tokens of a chain to verify: right holds, per token, its chance of being right given the ones before,
-    and whether the step's tree holds it already (SoFar.held: a node verified anyway, whose yield `tokens` counts).
+    and whether the step's tree holds it already (SoFar.places: a node verified anyway, whose yield `tokens` counts).
     -> the prefix with the most expected tokens per unit of step time, and the tokens it is expected to add. tokens:
     what the step yields without it; cost as SoFar's, of the chain's own nodes. A token counts only if every one
     before it is accepted, so each adds less than the one before: with a cost linear in nodes none pays after the
