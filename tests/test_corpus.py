@@ -68,7 +68,8 @@ def test_the_index_file_round_trips_and_a_corrupt_one_is_a_clear_error(tmp_path)
 
 
 def offered(draft: CorpusDraft, budget: int, cost) -> list[int]:
-    return list(draft.propose(StepStart(0, torch.zeros(1), 0, budget, 1, None), SoFar(1.0, cost, PLAIN, torch.tensor([0]))).tokens)
+    step = SoFar(1.0, cost, PLAIN, torch.tensor([0]))
+    return list(draft.propose(StepStart(0, torch.zeros(1), 0, budget, 1, None), step).tokens)
 
 
 def test_a_chain_follows_the_index_as_far_as_it_pays_and_misses_shorten_the_next():
