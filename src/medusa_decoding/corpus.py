@@ -12,7 +12,7 @@ import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .proposers import Proposal, SoFar, StepStart, tally, worth
+from .proposers import Proposal, SoFar, StepStart, priors, tally, worth
 
 ORDER = 4  # the longest context matched: more matched rarely and added little on SmolLM2's answers
 MIN_SEEN = 4  # contexts seen fewer times are left out: a fraction of the bytes, as many tokens a step
@@ -20,7 +20,6 @@ CORPUS_NAME = "corpus.safetensors"  # the index, beside the heads it drafts with
 # a chain token's chance of being right, by the share of its context's continuations that it had in the corpus: the
 # lower edge of each bin (shares of SHARES[i] up to SHARES[i + 1]) as its prior, then counted as the request goes
 SHARES = (0.0, 0.3, 0.5, 0.7, 0.9)
-APART = 0.5  # a prior's factor for a token beside the tree's own candidates: right only where they are wrong
 
 
 def context_key(tokens: Sequence[int]) -> int:
@@ -117,8 +116,8 @@ class CorpusDraft:
         self.index, self.max_length = index, max_length
         self.context = list(tokens[-ORDER:])
         # per share bin, then per share bin beside the tree's candidates: P(a chain token is right | the one before was)
-        self.right = list(SHARES) + [share * APART for share in SHARES]
-        self.counted = [0] * (2 * len(SHARES))
+        self.right = priors(SHARES)
+        self.counted = [0] * len(self.right)
         self.bins: list[int] = []  # the bins of the last chain offered
 
     def propose(self, start: StepStart, step: SoFar) -> Proposal:

@@ -6,7 +6,7 @@ the stream's last few tokens are a cheap guess at what comes next, with no model
 
 from collections.abc import Sequence
 
-from .proposers import Proposal, SoFar, StepStart, tally, worth
+from .proposers import Proposal, SoFar, StepStart, priors, tally, worth
 
 
 class Lookup:
@@ -50,7 +50,6 @@ class Lookup:
 
 
 PRIOR = 0.5  # a chain token's chance of being right before any is counted (proposers.tally)
-APART_PRIOR = 0.25  # the same for a token beside the tree's own candidates there: right only where they are wrong
 
 
 class LookupDraft:
@@ -63,8 +62,8 @@ class LookupDraft:
         self.index, self.max_length = Lookup(prompt, max_ngram), max_length
         # per match length, then per match length beside the tree's candidates: P(a chain token is right | the one
         # before was)
-        self.right = [PRIOR] * max_ngram + [APART_PRIOR] * max_ngram
-        self.counted = [0] * (2 * max_ngram)
+        self.right = priors([PRIOR] * max_ngram)
+        self.counted = [0] * len(self.right)
         self.bins: list[int] = []  # the bins of the last chain offered
 
     def propose(self, start: StepStart, step: SoFar) -> Proposal:

@@ -20,6 +20,7 @@ DRAFT_RANK = 1 << 16  # a chain's nodes' rank: past any head's top-k, so never o
 FIXED_NODE_COST = 0.1  # a node's cost, as a share of a step, where the ladder has no measured latencies
 PRIOR_WEIGHT = 2  # a chain source's prior chance of a token being right counts as this many tokens (`tally`)
 SMOOTHING = 1 / 16  # the weight of a new count once PRIOR_WEIGHT is outweighed: the estimate follows recent chains
+APART = 0.5  # a prior's factor for a first token beside the tree's own candidates: right only where they are wrong
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,13 @@ def worth(right: Iterable[tuple[float, bool]], tokens: float, cost: Callable[[in
             break
         gained, kept, speed = gained + chance, length, longer
     return kept, gained
+
+
+def priors(bins: Iterable[float]) -> list[float]:
+    """A chain source's prior chance of a token being right per bin, then per the same bin for a first token beside
+    the tree's own candidates (SoFar.places: its bin + the number of bins), APART as sure: what `tally` starts from."""
+    bins = list(bins)
+    return bins + [p * APART for p in bins]
 
 
 def tally(right: list[float], counted: list[int], bins: list[int], nodes: list[int], path: list[int]) -> None:
