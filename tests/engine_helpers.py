@@ -90,7 +90,8 @@ class OracleHeads(torch.nn.Module):
             reference = model.base_model(input_ids=sequence[None]).last_hidden_state[0]  # [S, H]
         vocab_size = model.get_output_embeddings().weight.shape[0]
         self.config = HeadsConfig(reference.shape[-1], vocab_size, num_heads, projection="own", kind=kind)  # own logits
-        self.register_buffer("embedding", model.get_input_embeddings().weight.detach().clone())
+        with torch.no_grad():  # every token's embedding, as the model looks it up (a GGUF model's: decoded blocks)
+            self.register_buffer("embedding", model.get_input_embeddings()(torch.arange(vocab_size)).clone())
         generator = torch.Generator().manual_seed(seed)
         self.register_buffer("reference", reference)
         self.register_buffer("sequence", sequence.clone())

@@ -15,13 +15,15 @@ import os
 import shutil
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_tokenizer
 from engine_helpers import (decode, engine_prefill, greedy_reference, lively_model, random_heads, tree_mask,
                             verify)
+from gguf_helpers import SCALES, random_blocks
 
-from medusa_decoding import MedusaModel, kernels
+from medusa_decoding import MedusaModel, gguf_file, kernels
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding import native_layers
 from medusa_decoding.decoding import PLAIN
@@ -260,6 +262,84 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
         cache = [torch.zeros(2, config.num_key_value_heads, 32, 8, dtype=native_layers.CACHE) for _ in range(2)]
         layers[name] = o.layer_q8(x, *weights, *cache, columns, cos, sin, mask, eps, scale), *cache
     assert all(all(map(torch.equal, out, layers["baseline"])) for out in layers.values())
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", [name for name in gguf_file.TENSOR_TYPES if name in SCALES])
+def test_gguf_blocks_of_every_type_give_the_gguf_packages_weights_on_every_variant(qtype):
+    """medusa::linear_gguf reads a GGUF file's blocks as they lie: identity rows read back bitwise the weights the
+    `gguf` package's dequantize gives; any x gets bitwise medusa::linear over those weights, on every variant this CPU
+    runs, each row as it gets alone."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    raw = random_blocks(np.random.default_rng(int(kind)), 37, 512, qtype)  # 37 rows: a tail tile
+    weight = torch.from_numpy(quants.dequantize(raw, kind))
+    blocks = torch.from_numpy(raw)
+    for name in kernels.cpu_variants():
+        ops = kernels.load_native(name)
+        assert torch.equal(ops.linear_gguf(torch.eye(512), blocks, int(kind)).T, weight), name
+        for rows in (0, 1, 3, 8, 9, 130):
+            x = torch.randn(rows, 512)
+            out = ops.linear_gguf(x, blocks, int(kind))
+            assert torch.equal(out, ops.linear(x, weight)), (name, rows)
+            assert all(torch.equal(ops.linear_gguf(x[m : m + 1], blocks, int(kind)), out[m : m + 1])
+                       for m in range(0, rows, 4))
+
+
+def q8k_reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tensor:
+    """linear_k's arithmetic in float64, written from llama.cpp's: x per 256 to Q8_K (codes min(127, round(-127 / max
+    * x)), max the value of largest magnitude, ties to even; d = 1 / (-127 / max)), each weight as the integers and
+    scales of its block (gguf's dequantize divided back), every product summed exactly."""
+    from gguf import GGMLQuantizationType, quants
+
+    blocks = x.reshape(x.shape[0], -1, 256).double()
+    where = blocks.abs().argmax(-1, keepdim=True)
+    iscale = (-127.0 / blocks.gather(-1, where).float()).double()  # float32, as llama.cpp computes it
+    q = torch.where(iscale.isfinite(), (blocks.float() * iscale.float()).double().round().clamp(max=127), 0)
+    d = torch.where(iscale.isfinite(), (1 / iscale.float()).double(), 0)
+    weight = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).astype(np.float64))
+    return torch.einsum("mbj,nbj->mn", q * d, weight.reshape(weight.shape[0], -1, 256))
+
+
+@needs_native
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_k_quant_linear_paths_give_the_same_bits_llama_cpps_arithmetic_and_nearly_float32(qtype):
+    """medusa::linear_k (q8 kernels on Q4_K and Q6_K blocks): the scalar and AVX2 paths, on every variant this CPU
+    runs, give the same bits; each token its own whatever the tokens beside it; llama.cpp's arithmetic (Q8_K
+    activations, integer sums), and near the float32 product."""
+    from gguf import GGMLQuantizationType
+
+    kind = int(GGMLQuantizationType[qtype])
+    raw = random_blocks(np.random.default_rng(kind), 21, 512, qtype)
+    blocks = torch.from_numpy(raw)
+    torch.manual_seed(kind)
+    x = torch.randn(11, 512)
+    x[0, :256] = 0  # a block of zero activations
+    x[1, 7] = 40.0  # a block whose largest value is positive (its codes' signs flip)
+    out = kernels.load_native().linear_k(x, blocks, kind, -1)
+    for name in kernels.cpu_variants():
+        ops = kernels.load_native(name)
+        paths = [0] + ([1] if "avx2" in q8_paths() else [])
+        assert all(torch.equal(ops.linear_k(x, blocks, kind, path), out) for path in paths), name
+    for size in (1, 3, 8, 9):
+        for at in (0, size - 1):
+            batch = torch.randn(size, 512)
+            batch[at] = x[4]
+            assert torch.equal(kernels.OPS.linear_k(batch, blocks, kind, -1)[at], out[4])
+    torch.testing.assert_close(out.double(), q8k_reference(x, raw, qtype), rtol=1e-5, atol=1e-4)
+    exact = x @ kernels.OPS.dequantize_gguf(blocks, kind).T
+    usual = [m for m in range(len(x)) if m != 1]  # the outlier's block rounds coarsely, as it does in llama.cpp
+    assert float((out - exact)[usual].norm() / exact[usual].norm()) < Q8_TOLERANCE
+
+
+@needs_native
+def test_gguf_linear_refuses_a_type_it_does_not_read_and_rows_of_part_blocks():
+    ops = load_native()
+    with pytest.raises(RuntimeError, match="GGUF type 10 is not one it reads"):  # Q2_K
+        ops.linear_gguf(torch.randn(1, 256), torch.zeros(4, 84, dtype=torch.uint8), 10)
+    with pytest.raises(RuntimeError, match="whole blocks of 34 bytes"):
+        ops.linear_gguf(torch.randn(1, 32), torch.zeros(4, 35, dtype=torch.uint8), 8)
 
 
 def test_medusa_isa_forces_a_variant_and_refuses_one_this_cpu_lacks():

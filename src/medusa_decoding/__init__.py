@@ -3,7 +3,7 @@ one tree-attention forward pass verifies them all."""
 
 import os
 
-from .default_model import cache_root
+from .config import cache_root
 
 # what torch.compile builds stays in the project's cache (not /tmp, which a reboot clears), so a second run compiles
 # nothing: set before any module touches inductor, which fixes its directory on first use

@@ -1,12 +1,14 @@
-"""The base model: loaded from a directory, the hub or the embedded default, with a MEDUSA-2 adapter merged in, the
-tokens that end its answers and the context it attends over. `model` (decoding) and `training` both start here."""
+"""The base model: loaded from a GGUF file, a directory, the hub or the embedded default, with a MEDUSA-2 adapter
+merged in, the tokens that end its answers and the context it attends over. `model` (decoding) and `training` both
+start here."""
 
+import os
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import default_model
+from . import default_model, gguf_file
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -33,19 +35,46 @@ def with_adapter(base: PreTrainedModel, adapter: Path) -> PreTrainedModel:
     return PeftModel.from_pretrained(base, adapter).merge_and_unload()
 
 
-def load_base(model, dtype=None, device=None, **load_kwargs) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A base model and tokenizer from a directory or hub id; None: the embedded default.
+def resolve(model: str | os.PathLike | None) -> Path | str:
+    """Where a model argument loads from: None, the embedded default's conversion; a GGUF file, its conversion
+    (gguf_file.py); a directory as it is; else a hub id. A ValueError or FileNotFoundError in one line for a path
+    that is none of these."""
+    if model is None:
+        return default_model.converted_dir()
+    path = Path(model).expanduser()
+    if path.is_file():
+        if not gguf_file.is_gguf(path):
+            raise ValueError(f"model: {model} is neither a GGUF file nor a model directory")
+        return gguf_file.model_dir(path, weights=True)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {model} is neither a GGUF file nor a model directory (no config.json)")
+        return path
+    looks_local = path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1
+    if looks_local or path.suffix == ".gguf":
+        raise FileNotFoundError(f"model: {model} does not exist")
+    return str(model)
 
+
+def gguf_of(model: str | os.PathLike | None) -> Path | None:
+    """The GGUF file a model argument names (None: the embedded default's), or None: a directory or hub id."""
+    if model is None:
+        return default_model.gguf_path()
+    path = Path(model).expanduser()
+    return path if path.is_file() and gguf_file.is_gguf(path) else None
+
+
+def load_base(model, dtype=None, device=None, blocks: bool = False, **load_kwargs
+              ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A base model and tokenizer from a GGUF file, a directory or hub id; None: the embedded default.
+
+    blocks: a GGUF file's model on its blocks, read from the file (gguf_file.load: the native kernels, on a CPU in
+        float32), else with float32 weights (a GGUF file converted once: resolve).
     load_kwargs: passed on to `from_pretrained` (training's quantization_config, device_map).
     """
-    if model is None:
-        path = default_model.converted_dir()
-    else:
-        path = Path(model)
-        looks_local = path.is_absolute() or str(model).startswith((".", "~")) or str(model).count("/") > 1
-        if looks_local and not path.expanduser().exists():
-            raise FileNotFoundError(f"model: {model} does not exist")
-        path = path.expanduser() if path.expanduser().exists() else str(model)
+    if blocks and (gguf := gguf_of(model)) is not None:
+        return gguf_file.load(gguf)
+    path = resolve(model)
     try:
         base = AutoModelForCausalLM.from_pretrained(path, dtype=dtype or torch.float32, **load_kwargs)
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -146,8 +146,8 @@ def hf_generate(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
     )
     if sampling and config.seed is not None:
         torch.manual_seed(config.seed)
-    start = time.perf_counter()
     with torch.inference_mode(), stock_kernels(medusa.model):  # what `transformers` alone gives
+        start = time.perf_counter()  # after a GGUF model's float32 weights are made
         sequence = medusa.model.generate(ids[None], attention_mask=torch.ones_like(ids)[None], generation_config=settings)
     new = sequence[0, len(ids):].tolist()  # inside the clock: waits for the device, as MEDUSA's per-step lists do
     seconds = time.perf_counter() - start

@@ -30,10 +30,10 @@ from .config import CalibrateConfig, GenerationConfig
 from .base import context_limit
 from .decoding import Batch
 from .heads_draft import propose, propose_confident
-from .default_model import cache_root
+from .config import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
-from .kernels import (block_codes, code_digest, cpu_variants, guess_projection, reads_blocks, reset_kernels,
-                      set_guess_vocab, variant)
+from .kernels import (block_codes, code_digest, cpu_variants, gguf_codes, guess_projection, reads_blocks,
+                      reset_kernels, set_guess_vocab, variant)
 from .formats import CALIBRATION_NAME, TREE_NAME
 from .training import positions
 from .training import data
@@ -386,13 +386,16 @@ ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled"
 
 
 def choose_kernels(model, heads, medusa_on, config: CalibrateConfig = DEFAULTS) -> str:
-    """kernels="auto" on a CPU in float32: of stock, native and (where the weights are GGUF blocks) q8, the kernels
-    whose plain step and 3-candidate step take least time together on this machine, timed side by side on `model`
-    itself (switched in turn, then back to stock), once per setup: cached under cache_root()/kernels, keyed like the
-    tree fits. Never slower than stock, which is one of those timed. Says what it picked, and why, in one line.
+    """kernels="auto" on a CPU in float32: of stock (where the model has float32 weights), native and (where the
+    weights are Q4_1 or Q8_0 blocks) q8, the kernels whose plain step and 3-candidate step take least time together
+    on this machine, timed side by side on `model` itself (switched in turn, then back), once per setup: cached under
+    cache_root()/kernels, keyed like the tree fits. Never slower than stock where stock is one of those timed. Says
+    what it picked, and why, in one line.
     medusa_on(kernels): the MedusaModel of `model` and `heads` on those kernels."""
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    candidates = ["stock", "native"] + (["q8"] if block_codes(linear.weight) is not None else [])
+    gguf = "blocks" in linear._buffers  # a model read at its GGUF file's bytes: no float32 weights for stock kernels
+    blocks = gguf_codes(linear) if gguf else block_codes(linear.weight)
+    candidates = ([] if gguf else ["stock"]) + ["native"] + (["q8"] if blocks is not None else [])
     what = [device_name(model.device), str(model.dtype), model.name_or_path, model.config.to_diff_dict(),
             code_digest(), torch.__version__, candidates]
     key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]

@@ -26,7 +26,7 @@ DATA_HELP = "conversations: ShareGPT-style JSON/JSONL files, e.g. medusa distill
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, kernels: bool = True) -> None:
-    parser.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     if heads:
         parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
         parser.add_argument("--tree", default="auto", help="tree: JSON path list, Cartesian sizes, a JSON file, or auto "
@@ -266,11 +266,11 @@ def cmd_bench(args) -> None:
     specs = rival_specs(args.rival)
     if args.llama_cpp is not None:
         llamacpp.require()
-        if not args.llama_cpp and args.model:
-            raise ValueError("--llama-cpp: give the GGUF file of --model (only the embedded default's is known)")
+        if not args.llama_cpp and args.model and Path(args.model).suffix != ".gguf":
+            raise ValueError("--llama-cpp: give the GGUF file of --model (it is not one)")
     medusa = load(args)
-    llama = None if args.llama_cpp is None else llamacpp.load(args.llama_cpp or default_model.gguf_path(),
-                                                               torch.get_num_threads(), context_limit(medusa.model))
+    gguf = args.llama_cpp or args.model or default_model.gguf_path()
+    llama = None if args.llama_cpp is None else llamacpp.load(gguf, torch.get_num_threads(), context_limit(medusa.model))
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
@@ -484,7 +484,7 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
     p.add_argument("out", help="output directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    p.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--heads", help="heads directory, any layout (default: the embedded default's MEDUSA heads)")
     p.set_defaults(run=cmd_export)
 
@@ -523,7 +523,7 @@ def main(argv=None) -> None:
     p.add_argument("--data", required=True, nargs="+", help=DATA_HELP + "; the answers the model gave (never a "
                    "benchmark's)")
     p.add_argument("--heads", required=True, help="MEDUSA heads directory: the index goes beside them")
-    p.add_argument("--model", help="base model directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
     p.add_argument("--min-seen", type=int, default=CORPUS_MIN_SEEN, help="keep contexts seen at least this often")
     p.set_defaults(run=cmd_corpus)
 
@@ -568,7 +568,8 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=600, help="with --concurrency: no request starts after this, per run")
     p.add_argument("--llama-cpp", nargs="?", const="", metavar="GGUF",
                    help="also time llama.cpp (llama-cpp-python, an optional extra) on this GGUF file (default: the "
-                   "embedded default's), greedy, and both engines' step over 1/4/8/16 tokens")
+                   "model's own, where --model is a GGUF file, else the embedded default's), greedy, and both engines' step over "
+                   "1/4/8/16 tokens")
     p.set_defaults(run=cmd_bench)
 
     p = sub.add_parser("calibrate", help="measure head accuracy and step latency; write the fastest tree beside the heads")

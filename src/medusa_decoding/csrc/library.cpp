@@ -18,6 +18,9 @@ TORCH_LIBRARY(MEDUSA_OPS, m) {
   m.def("q8_path_names() -> str[]", &medusa::q8_path_names);
   m.def("linear(Tensor x, Tensor w) -> Tensor");
   m.def("linear_blocks(Tensor x, Tensor codes, Tensor dm, int bits) -> Tensor");
+  m.def("linear_gguf(Tensor x, Tensor blocks, int type) -> Tensor");
+  m.def("dequantize_gguf(Tensor blocks, int type) -> Tensor");
+  m.def("linear_k(Tensor x, Tensor blocks, int type, int path) -> Tensor");
   m.def("linear_q8(Tensor x, Tensor codes, Tensor dm, int n, int path) -> Tensor");
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? mask, float scale) -> Tensor");
   m.def("layer_q8(Tensor x, Tensor input_norm, Tensor post_norm, Tensor[] codes, Tensor[] scales, int[] outs, "
@@ -28,6 +31,9 @@ TORCH_LIBRARY(MEDUSA_OPS, m) {
 TORCH_LIBRARY_IMPL(MEDUSA_OPS, CPU, m) {
   m.impl("linear", &medusa::linear);
   m.impl("linear_blocks", &medusa::linear_blocks);
+  m.impl("linear_gguf", &medusa::linear_gguf);
+  m.impl("dequantize_gguf", &medusa::dequantize_gguf);
+  m.impl("linear_k", &medusa::linear_k);
   m.impl("linear_q8", static_cast<at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
                                                   int64_t)>(&medusa::linear_q8));  // the op: on float32 x
   m.impl("attention", &medusa::attention);

@@ -17,11 +17,13 @@
 // The arithmetic is simd.h's 16-lane vectors: every instruction-set variant (AVX-512, AVX2, baseline) gives the
 // same bits; only the tiles differ, sized for each one's registers.
 #include <ATen/Parallel.h>
+#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -222,6 +224,256 @@ at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
   });
   return y;
 }
+
+// ---------------------------------------------------------------------------------------------------------------
+// medusa::linear_gguf(x, blocks, type) is medusa::linear over the weights a GGUF file's blocks of `type` hold, read as
+// the file stores them (blocks [N, bytes a row], ggml's type numbers): each tile's rows are decoded into a buffer
+// that the float32 tile then reads. A block decodes to bitwise the float32 weights the `gguf` package's dequantize
+// gives (the same operations in the same order, each product exact where it is there), so the output is bitwise
+// medusa::linear's over those weights.
+
+enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+
+inline float f16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// weights and bytes a block of each type
+template <int64_t TYPE>
+constexpr int64_t WEIGHTS = TYPE >= Q4_K ? 256 : 32;
+template <int64_t TYPE>
+constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 :
+                          TYPE == Q8_0 ? 34 : TYPE == Q4_K ? 144 : TYPE == Q5_K ? 176 : 210;
+
+// Q4_K and Q5_K's 8 sub-blocks' 6-bit scales and minima, packed in 12 bytes
+inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
+  if (j < 4) {
+    sc = s[j] & 63, m = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// one block at b to WEIGHTS<TYPE> floats; 32-weight types keep weight j in byte j's low nibble and j + 16 in its high
+template <int64_t TYPE>
+void decode_block(const uint8_t* b, float* out) {
+  if constexpr (TYPE == Q4_0 || TYPE == Q5_0) {
+    const float d = f16_at(b);
+    const uint8_t* qs = b + (TYPE == Q5_0 ? 6 : 2);
+    uint32_t qh = 0;
+    if (TYPE == Q5_0) std::memcpy(&qh, b + 2, 4);
+    for (int j = 0; j < 32; j++) {
+      int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (TYPE == Q5_0 ? ((qh >> j) & 1) << 4 : 0);
+      out[j] = d * float(q - (TYPE == Q5_0 ? 16 : 8));
+    }
+  } else if constexpr (TYPE == Q4_1 || TYPE == Q5_1) {
+    const float d = f16_at(b), m = f16_at(b + 2);
+    const uint8_t* qs = b + (TYPE == Q5_1 ? 8 : 4);
+    uint32_t qh = 0;
+    if (TYPE == Q5_1) std::memcpy(&qh, b + 4, 4);
+    for (int j = 0; j < 32; j++) {
+      int q = (j < 16 ? qs[j] & 15 : qs[j - 16] >> 4) | (TYPE == Q5_1 ? ((qh >> j) & 1) << 4 : 0);
+      out[j] = d * float(q) + m;
+    }
+  } else if constexpr (TYPE == Q8_0) {
+    const float d = f16_at(b);
+    for (int j = 0; j < 32; j++) out[j] = d * float(int8_t(b[2 + j]));
+  } else if constexpr (TYPE == Q4_K || TYPE == Q5_K) {
+    // sub-block s (32 weights): chunk s / 2 of 32 code bytes, low nibbles for even s, high for odd; Q5_K's fifth bit
+    // of weight j is bit s of qh[j]
+    const float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (TYPE == Q5_K ? 48 : 16);
+    for (int s = 0; s < 8; s++) {
+      int sc, m;
+      scale_min(scales, s, sc, m);
+      const float ds = d * float(sc), ms = dmin * float(m);
+      for (int j = 0; j < 32; j++) {
+        int q = (qs[s / 2 * 32 + j] >> (4 * (s % 2))) & 15;
+        if (TYPE == Q5_K) q |= ((qh[j] >> s) & 1) << 4;
+        out[32 * s + j] = ds * float(q) - ms;
+      }
+    }
+  } else {  // Q6_K: group g (32 weights) of half h = g / 4, r = g % 4: low 4 bits from ql byte h * 64 + (r % 2) * 32 + j
+    // (nibble r / 2), high 2 from qh byte h * 32 + j (bits 2r, 2r + 1); an int8 scale per 16 weights
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
+    const float d = f16_at(b + 208);
+    for (int g = 0; g < 8; g++) {
+      const int h = g / 4, r = g % 4;
+      for (int j = 0; j < 32; j++) {
+        const int low = (ql[h * 64 + (r % 2) * 32 + j] >> (4 * (r / 2))) & 15, high = (qh[h * 32 + j] >> (2 * r)) & 3;
+        const int w = 32 * g + j;
+        out[w] = (d * float(scales[w / 16])) * float((low | high << 4) - 32);
+      }
+    }
+  }
+}
+
+// A block's weights 16 at a time, in registers: part(i, p) is weights [16 i + p W, 16 i + p W + W) of the block, as
+// decode_block gives them (the same operations: the same bits), the block's scales read once (the constructor).
+template <int64_t TYPE>
+struct Decoder;
+
+inline I signed_bytes(I a) { return a - ((a >> 7) << 8); }  // widened bytes read as int8
+
+template <>
+struct Decoder<Q8_0> {
+  const uint8_t* b;
+  V d;
+  explicit Decoder(const uint8_t* block) : b(block), d(splat(f16_at(block))) {}
+  V part(int i, int p) const { return d * to_float(signed_bytes(widen(b + 2 + 16 * i + p * W))); }
+};
+
+// Q4_0, Q4_1, Q5_0, Q5_1: weight j's low 4 bits in byte j % 16 (low nibble for j < 16, high above), Q5's fifth bit j of qh
+template <int64_t TYPE>
+struct Decoder32 {
+  static constexpr bool FIVE = TYPE == Q5_0 || TYPE == Q5_1, OFFSET = TYPE == Q4_1 || TYPE == Q5_1;
+  const uint8_t* qs;
+  uint32_t qh = 0;
+  V d, m;
+  explicit Decoder32(const uint8_t* b) : qs(b + 2 + 2 * OFFSET + 4 * FIVE), d(splat(f16_at(b))) {
+    m = splat(OFFSET ? f16_at(b + 2) : 0.0f);
+    if (FIVE) std::memcpy(&qh, b + 2 + 2 * OFFSET, 4);
+  }
+  V part(int i, int p) const {
+    I q = (widen(qs + p * W) >> (4 * i)) & 15;
+    if (FIVE) {
+      I lanes;
+      for (int l = 0; l < W; l++) lanes[l] = 16 * i + p * W + l;
+      q |= ((I{} + int32_t(qh)) >> lanes & 1) << 4;
+    }
+    if (OFFSET) return d * to_float(q) + m;
+    return d * to_float(q - (FIVE ? 16 : 8));
+  }
+};
+template <> struct Decoder<Q4_0> : Decoder32<Q4_0> { using Decoder32::Decoder32; };
+template <> struct Decoder<Q4_1> : Decoder32<Q4_1> { using Decoder32::Decoder32; };
+template <> struct Decoder<Q5_0> : Decoder32<Q5_0> { using Decoder32::Decoder32; };
+template <> struct Decoder<Q5_1> : Decoder32<Q5_1> { using Decoder32::Decoder32; };
+
+// Q4_K, Q5_K: sub-block s = i / 2 from code bytes (s / 2) * 32 + (i % 2) * 16.., nibble s % 2; Q5_K's fifth bit s of
+// qh[(i % 2) * 16 + ..]
+template <int64_t TYPE>
+struct DecoderK {
+  const uint8_t *qs, *qh;
+  float scaled[16];  // each sub-block's d * scale, then its dmin * min
+  explicit DecoderK(const uint8_t* b) : qs(b + (TYPE == Q5_K ? 48 : 16)), qh(b + 16) {
+    // the 12 bytes of 6-bit scales and minima unpacked 4 at a time (as scale_min, one word each): sc 0-3, sc 4-7,
+    // m 0-3, m 4-7
+    uint32_t u[4];
+    std::memcpy(u, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+    const uint32_t minima = u[1] & low6;
+    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+    u[2] = minima;
+    u[0] &= low6;
+    float factor[16];
+    for (int l = 0; l < 8; l++) factor[l] = f16_at(b), factor[8 + l] = f16_at(b + 2);
+    for (int p = 0; p < 16 / W; p++)
+      store(scaled + p * W, to_float(widen(reinterpret_cast<const uint8_t*>(u) + p * W)) * load(factor + p * W));
+  }
+  V part(int i, int p) const {
+    const int s = i / 2, at = (i % 2) * 16 + p * W;
+    I q = (widen(qs + s / 2 * 32 + at) >> (4 * (s % 2))) & 15;
+    if (TYPE == Q5_K) q |= ((widen(qh + at) >> s) & 1) << 4;
+    return splat(scaled[s]) * to_float(q) - splat(scaled[8 + s]);
+  }
+};
+template <> struct Decoder<Q4_K> : DecoderK<Q4_K> { using DecoderK::DecoderK; };
+template <> struct Decoder<Q5_K> : DecoderK<Q5_K> { using DecoderK::DecoderK; };
+
+// Q6_K: weights 16 i.. of group g = i / 2 (h = g / 4, r = g % 4): low bits from ql[h * 64 + (r % 2) * 32 + j], nibble
+// r / 2, high from qh[h * 32 + j] bits 2r; scale i
+template <>
+struct Decoder<Q6_K> {
+  const uint8_t *ql, *qh;
+  const int8_t* scales;
+  float d;
+  explicit Decoder(const uint8_t* b)
+      : ql(b), qh(b + 128), scales(reinterpret_cast<const int8_t*>(b + 192)), d(f16_at(b + 208)) {}
+  V part(int i, int p) const {
+    const int g = i / 2, h = g / 4, r = g % 4, j = (i % 2) * 16 + p * W;
+    const I low = (widen(ql + h * 64 + (r % 2) * 32 + j) >> (4 * (r / 2))) & 15;
+    const I high = (widen(qh + h * 32 + j) >> (2 * r)) & 3;
+    return splat(d * float(scales[i])) * to_float((low | high << 4) - 32);
+  }
+};
+
+// y[0:MB, n0:n0+NB] for MB <= DECODING_ROWS tokens over GGUF blocks, decoded in registers (as tile_decoding): each
+// accumulator sums the products 16 weights at a time in the weights' order, as `tile` over a decoded buffer does
+template <int MB, int NB, int64_t TYPE>
+void gguf_tile_decoding(const float* x, int64_t xrow, const uint8_t* blocks, int64_t K, float* y, int64_t N,
+                        int64_t n0) {
+  constexpr int64_t WB = WEIGHTS<TYPE>, B = BYTES<TYPE>;
+  const int64_t per_row = K / WB, row_bytes = per_row * B;
+  F16 acc[MB][NB] = {};
+  for (int64_t b = 0; b < per_row; b++) {
+    for (int j = 0; j < NB; j++) {
+      const uint8_t* block = blocks + (n0 + j) * row_bytes + b * B;
+      for (int64_t at = 0; at < B; at += 64) __builtin_prefetch(block + TILE * row_bytes + at, 0, 2);
+      const Decoder<TYPE> decoder(block);
+#pragma GCC unroll 16
+      for (int i = 0; i < WB / 16; i++)
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+          const V w = decoder.part(i, p);
+          for (int m = 0; m < MB; m++)
+            acc[m][j].p[p] = fma(load(x + m * xrow + b * WB + 16 * i + p * W), w, acc[m][j].p[p]);
+        }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int j = 0; j < NB; j++) y[m * N + n0 + j] = sum(acc[m][j]);
+}
+
+template <int MB, int64_t TYPE>
+FMA_CLONES void gguf_rows_decoding(const float* x, int64_t xrow, const uint8_t* blocks, int64_t K, float* y,
+                                   int64_t N, int64_t n0) {
+  constexpr int NB = std::max(1, std::min<int>(TILE, ACCUMULATORS / (MB * P)));
+  const int64_t end = std::min(n0 + TILE, N);
+  int64_t n = n0;
+  for (; n + NB <= end; n += NB) gguf_tile_decoding<MB, NB, TYPE>(x, xrow, blocks, K, y, N, n);
+  for (; n < end; n++) gguf_tile_decoding<MB, 1, TYPE>(x, xrow, blocks, K, y, N, n);
+}
+
+template <int64_t TYPE, int MB = DECODING_ROWS>
+void gguf_rows_decoding_upto(int64_t M, const float* x, int64_t xrow, const uint8_t* blocks, int64_t K, float* y,
+                             int64_t N, int64_t n0) {
+  if constexpr (MB > 1) {
+    if (M < MB) return gguf_rows_decoding_upto<TYPE, MB - 1>(M, x, xrow, blocks, K, y, N, n0);
+  }
+  gguf_rows_decoding<MB, TYPE>(x, xrow, blocks, K, y, N, n0);
+}
+
+template <int64_t TYPE>
+at::Tensor gguf_run_decoding(const at::Tensor& x, const uint8_t* blocks, int64_t K, int64_t N) {
+  const int64_t M = x.size(0);
+  at::Tensor y = x.new_empty({M, N});
+  const float* X = x.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, (N + TILE - 1) / TILE, 8, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; t++) gguf_rows_decoding_upto<TYPE>(M, X, K, blocks, K, Y, N, t * TILE);
+  });
+  return y;
+}
+
+template <int64_t TYPE>
+struct Gguf {
+  const uint8_t* blocks;  // [N, K / WEIGHTS * BYTES]
+  int64_t K;
+  static constexpr bool in_place = false;
+  const float* rows(int64_t n0, int64_t rows, int64_t next, float* buffer) const {
+    const int64_t per_row = K / WEIGHTS<TYPE>, row_bytes = per_row * BYTES<TYPE>;
+    for (int64_t at = 0; at < rows * row_bytes; at += 64) __builtin_prefetch(blocks + next * row_bytes + at, 0, 2);
+    for (int64_t r = 0; r < rows; r++)
+      for (int64_t b = 0; b < per_row; b++)
+        decode_block<TYPE>(blocks + (n0 + r) * row_bytes + b * BYTES<TYPE>, buffer + r * K + b * WEIGHTS<TYPE>);
+    return buffer;
+  }
+};
 
 at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K, op, ": x [M, K] with K = ", K);
@@ -529,6 +781,88 @@ at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at:
   };
   if (bits == 4) return go(Blocks<4>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
   return go(Blocks<8>{cc.data_ptr<uint8_t>(), dmc.data_ptr<float>(), K});
+}
+
+int64_t gguf_block_weights(int64_t type) {
+  switch (type) {
+    case Q4_0: case Q4_1: case Q5_0: case Q5_1: case Q8_0: return 32;
+    case Q4_K: case Q5_K: case Q6_K: return 256;
+  }
+  return 0;
+}
+
+int64_t gguf_block_bytes(int64_t type) {
+  switch (type) {
+    case Q4_0: return BYTES<Q4_0>;
+    case Q4_1: return BYTES<Q4_1>;
+    case Q5_0: return BYTES<Q5_0>;
+    case Q5_1: return BYTES<Q5_1>;
+    case Q8_0: return BYTES<Q8_0>;
+    case Q4_K: return BYTES<Q4_K>;
+    case Q5_K: return BYTES<Q5_K>;
+    case Q6_K: return BYTES<Q6_K>;
+  }
+  return 0;
+}
+
+// the weights a row of `blocks` holds, checked to be whole blocks of a type these kernels read
+int64_t gguf_row_weights(const at::Tensor& blocks, int64_t type, const char* op) {
+  const int64_t weights = gguf_block_weights(type), bytes = gguf_block_bytes(type);
+  TORCH_CHECK(weights > 0, op, ": GGUF type ", type, " is not one it reads");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % bytes == 0, op,
+              ": uint8 blocks [N, whole blocks of ", bytes, " bytes]");
+  return blocks.size(1) / bytes * weights;
+}
+
+template <int64_t TYPE>
+void dequantize_rows(const uint8_t* blocks, float* out, int64_t N, int64_t K) {
+  const int64_t per_row = K / WEIGHTS<TYPE>;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; n++)
+      for (int64_t b = 0; b < per_row; b++)
+        decode_block<TYPE>(blocks + (n * per_row + b) * BYTES<TYPE>, out + n * K + b * WEIGHTS<TYPE>);
+  });
+}
+
+at::Tensor dequantize_gguf(const at::Tensor& blocks, int64_t type) {
+  const int64_t K = gguf_row_weights(blocks, type, "medusa::dequantize_gguf"), N = blocks.size(0);
+  const at::Tensor bc = blocks.contiguous();
+  at::Tensor out = bc.new_empty({N, K}, bc.options().dtype(at::kFloat));
+  const uint8_t* data = bc.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  switch (type) {
+    case Q4_0: dequantize_rows<Q4_0>(data, o, N, K); break;
+    case Q4_1: dequantize_rows<Q4_1>(data, o, N, K); break;
+    case Q5_0: dequantize_rows<Q5_0>(data, o, N, K); break;
+    case Q5_1: dequantize_rows<Q5_1>(data, o, N, K); break;
+    case Q8_0: dequantize_rows<Q8_0>(data, o, N, K); break;
+    case Q4_K: dequantize_rows<Q4_K>(data, o, N, K); break;
+    case Q5_K: dequantize_rows<Q5_K>(data, o, N, K); break;
+    default: dequantize_rows<Q6_K>(data, o, N, K);
+  }
+  return out;
+}
+
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type) {
+  const int64_t K = gguf_row_weights(blocks, type, "medusa::linear_gguf"), N = blocks.size(0);
+  at::Tensor xc = check_x(x, K, "medusa::linear_gguf"), bc = blocks.contiguous();
+  const uint8_t* data = bc.data_ptr<uint8_t>();
+  // up to DECODING_ROWS tokens the blocks are decoded in registers, above into a buffer (as linear_blocks)
+  auto go = [&](auto type_constant) {
+    constexpr int64_t TYPE = decltype(type_constant)::value;
+    return 0 < xc.size(0) && xc.size(0) <= DECODING_ROWS ? gguf_run_decoding<TYPE>(xc, data, K, N)
+                                                          : run(xc, Gguf<TYPE>{data, K}, N);
+  };
+  switch (type) {
+    case Q4_0: return go(std::integral_constant<int64_t, Q4_0>{});
+    case Q4_1: return go(std::integral_constant<int64_t, Q4_1>{});
+    case Q5_0: return go(std::integral_constant<int64_t, Q5_0>{});
+    case Q5_1: return go(std::integral_constant<int64_t, Q5_1>{});
+    case Q8_0: return go(std::integral_constant<int64_t, Q8_0>{});
+    case Q4_K: return go(std::integral_constant<int64_t, Q4_K>{});
+    case Q5_K: return go(std::integral_constant<int64_t, Q5_K>{});
+    default: return go(std::integral_constant<int64_t, Q6_K>{});
+  }
 }
 
 // the names of the paths this CPU runs within this build's instruction set, the fastest last; a path's number is

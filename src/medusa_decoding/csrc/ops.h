@@ -19,6 +19,9 @@ struct Q8Activations {
 };
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w);
 at::Tensor linear_blocks(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& dm, int64_t bits);
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& blocks, int64_t type);
+at::Tensor dequantize_gguf(const at::Tensor& blocks, int64_t type);
+at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t path);
 Q8Activations quantize_q8(const at::Tensor& x);
 // linears that read the same activations (q, k and v; gate and up) in one parallel region, their groups side by side
 std::vector<at::Tensor> linear_q8(const Q8Activations& x, at::TensorList codes, at::TensorList dm, at::IntArrayRef n,

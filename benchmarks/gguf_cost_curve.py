@@ -1,0 +1,170 @@
+"""The cost curve of a user's own GGUF model: from SmolLM2-135M to Llama-3.1-8B shapes, our plain step against
+llama.cpp's on the same file and threads, our step with 1-32 candidates against our plain step, and the MEDUSA speedup
+the tokens a step of real heads (the embedded default's shipped heads, simulated on their calibration data) would give
+at each size. The bigger models are Llama-shaped GGUF files of random blocks in llama.cpp's Q4_K_M mix
+(random_gguf.py, the embedded model's tokenizer): a step's cost does not depend on the weights' values.
+
+Each instruction set runs in a process of its own (MEDUSA_ISA); JSON, a table and a plot under --out.
+
+    python benchmarks/gguf_cost_curve.py --models smollm2 1b 3b 8b --isa avx512 avx2 --kernels q8 native
+"""
+
+import argparse
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+CANDIDATES = (1, 2, 4, 8, 16, 32)
+SHAPES = ("1b", "3b", "8b")
+
+
+def model_file(name: str, folder: Path) -> Path:
+    from medusa_decoding import default_model
+
+    if name == "smollm2":
+        return default_model.gguf_path()
+    path = folder / f"random-llama-{name}-Q4_K_M.gguf"
+    if not path.is_file():
+        sys.path.insert(0, str(HERE))
+        import random_gguf
+
+        print(f"writing {path} ...", file=sys.stderr, flush=True)
+        random_gguf.write(path, name, "Q4_K_M", tokenizer_from=default_model.gguf_path())
+    return path
+
+
+def tokens_a_step() -> tuple[list, list[float]]:
+    """The shipped heads' calibration: its tree order and tokens a step simulated for each static tree size."""
+    from medusa_decoding import default_model
+
+    record = json.loads((default_model.SHIPPED_HEADS / "accuracy.json").read_text())
+    return record["paths"], dict(zip(record["sizes"], record["simulated_tokens"]))
+
+
+def tokens_at(table: dict, n: int) -> float:
+    """Tokens a step of an n-candidate tree: the simulated ones, linear between sizes, the largest beyond."""
+    sizes = sorted(table)
+    if n >= sizes[-1]:
+        return table[sizes[-1]]
+    upper = next(s for s in sizes if s >= n)
+    lower = max(s for s in sizes if s <= n)
+    return table[lower] if upper == lower else table[lower] + (table[upper] - table[lower]) * (n - lower) / (upper - lower)
+
+
+def measure(name: str, path: Path, kernels: str, context: int, repeats: int, threads: int) -> dict:
+    """One model on one kernel choice, in this process's instruction set."""
+    import torch
+
+    from medusa_decoding import MedusaModel, kernels as ops, llamacpp
+    from medusa_decoding.calibrate import measure_step_latency
+    from medusa_decoding.config import CalibrateConfig
+    from medusa_decoding.tree import Tree
+
+    torch.set_num_threads(threads)
+    paths, simulated = tokens_a_step()
+    start = time.perf_counter()
+    medusa = MedusaModel.from_pretrained(path, kernels=kernels, tree=[[0]])
+    load_s = time.perf_counter() - start
+    trees = [Tree.from_spec([])] + [Tree.from_spec([tuple(p) for p in paths[:n]]) for n in CANDIDATES]
+    config = CalibrateConfig(latency_contexts=(context,), latency_repeats=repeats, batch_sizes=(1,))
+    seconds = measure_step_latency(medusa, trees, config)[1][0]
+    rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    del medusa
+    gc.collect()
+    llama = llamacpp.load(path, threads, context + 64)
+    prefix = torch.randint(1000, 20000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    llama_s = llamacpp.step_latency(llama, prefix, [1, 4], repeats)
+    del llama
+    plain = seconds[0]
+    return {
+        "model": name, "file": str(path), "file_gib": path.stat().st_size / 2**30, "kernels": kernels,
+        "isa": ops.variant(), "threads": threads, "context": context, "load_s": load_s, "peak_rss_gib": rss_gib,
+        "plain_ms": plain * 1e3, "llama_cpp_ms": llama_s[0] * 1e3, "llama_cpp_4_tokens_ms": llama_s[1] * 1e3,
+        "plain_vs_llama_cpp": llama_s[0] / plain,
+        "candidates": {n: {"ms": s * 1e3, "vs_plain": s / plain, "tokens_a_step": tokens_at(simulated, n),
+                           "predicted_speedup": tokens_at(simulated, n) / (s / plain)}
+                       for n, s in zip(CANDIDATES, seconds[1:])},
+    }
+
+
+def plot(results: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (cost, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in results:
+        label = f"{r['model']} {r['kernels']} {r['isa']}"
+        ns = [int(n) for n in r["candidates"]]
+        cost.plot(ns, [c["vs_plain"] for c in r["candidates"].values()], marker="o", label=label)
+        speed.plot(ns, [c["predicted_speedup"] for c in r["candidates"].values()], marker="o", label=label)
+    cost.set(xscale="log", xlabel="candidates verified a step", ylabel="step time / plain step",
+             title="What a tree costs")
+    speed.set(xscale="log", xlabel="candidates verified a step", ylabel="tokens a step / step cost",
+              title="MEDUSA speedup the shipped heads' tokens a step would give")
+    speed.axhline(1.0, color="grey", lw=0.8)
+    for ax in (cost, speed):
+        ax.set_xticks(CANDIDATES, [str(n) for n in CANDIDATES])
+        ax.grid(alpha=0.3)
+    cost.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | kernels | ISA | file GiB | peak RSS GiB | load s | plain ms | llama.cpp ms | plain vs llama.cpp | "
+             "4 cand. / plain | 8 cand. / plain | best predicted speedup |", "|" + " --- |" * 12]
+    for r in results:
+        best = max(r["candidates"].items(), key=lambda item: item[1]["predicted_speedup"])
+        lines.append(f"| {r['model']} | {r['kernels']} | {r['isa']} | {r['file_gib']:.2f} | {r['peak_rss_gib']:.2f} | "
+                     f"{r['load_s']:.1f} | {r['plain_ms']:.1f} | {r['llama_cpp_ms']:.1f} | "
+                     f"{r['plain_vs_llama_cpp']:.2f}x | {r['candidates']['4']['vs_plain']:.2f} | "
+                     f"{r['candidates']['8']['vs_plain']:.2f} | {best[1]['predicted_speedup']:.2f}x at {best[0]} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["smollm2", *SHAPES], choices=["smollm2", *SHAPES])
+    parser.add_argument("--kernels", nargs="+", default=["q8", "native"])
+    parser.add_argument("--isa", nargs="+", default=None, help="instruction sets, each a process (default: this CPU's)")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--files", type=Path, default=Path("/tmp/medusa-gguf-models"), help="where random files go")
+    parser.add_argument("--out", type=Path, default=HERE / "results" / "gguf_cost_curve")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    args.files.mkdir(parents=True, exist_ok=True)
+    if args.worker:  # one instruction set: the results as JSON lines on stdout
+        for name in args.models:
+            path = model_file(name, args.files)
+            for kernels in args.kernels:
+                print(json.dumps(measure(name, path, kernels, args.context, args.repeats, args.threads)), flush=True)
+        return
+    results = []
+    for isa in args.isa or [None]:
+        env = {**os.environ, **({"MEDUSA_ISA": isa} if isa else {})}
+        command = [sys.executable, __file__, "--worker", "--models", *args.models, "--kernels", *args.kernels,
+                   "--context", str(args.context), "--repeats", str(args.repeats), "--threads", str(args.threads),
+                   "--files", str(args.files)]
+        run = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
+        results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    plot(results, args.out.with_suffix(".png"))
+    print(table(results))
+    print(f"\n{args.out.with_suffix('.json')}, {args.out.with_suffix('.png')}; median of {args.repeats} steps at "
+          f"{args.context} tokens of context, {statistics.mode([r['threads'] for r in results])} threads")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,308 @@
+// medusa::linear_k(x, blocks, type): x [M, K] @ W.T for W a GGUF file's Q4_K or Q6_K blocks as the file holds them
+// (blocks [N, bytes a row]), in llama.cpp's arithmetic for these types: each token's activations quantized per 256 to
+// Q8_K (int8 codes, one float32 scale, llama.cpp's quantize_row_q8_K rounding), every product of a super-block
+// summed in integers with the blocks' integer sub-block scales, then scaled once in float32 per super-block. The
+// integer sums are exact whatever the instructions, and the float32 operations are the same scalar ones in the same
+// order on every path (scalar, AVX2): the same bits everywhere, and a token's output does not depend on the tokens
+// beside it. Over a tree the blocks' codes are unpacked once for up to 8 tokens: integer dot products do 16x the
+// work of float32 FMAs per instruction, so extra candidates cost little.
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "ops.h"
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t QK = 256;       // weights a super-block
+constexpr int64_t TILE_ROWS = 4;  // weight rows a task
+constexpr int MOST = 8;           // tokens a pass over a row's unpacked codes
+constexpr int64_t Q4_K = 12, Q6_K = 14, Q4_K_BYTES = 144, Q6_K_BYTES = 210;
+
+float f16_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return float(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// x as llama.cpp's Q8_K: per 256 values codes q = min(127, round(-127 / max * x)) (max: the value of largest magnitude,
+// signed; ties to even), d = 1 / (-127 / max), and the sums of each 16 codes
+struct Q8K {
+  int64_t M, K;
+  std::vector<int8_t> q;      // [M, K]
+  std::vector<float> d;       // [M, K / 256]
+  std::vector<int32_t> sums;  // [M, K / 16]
+};
+
+int nearest_int(float v) {  // llama.cpp's: to nearest, ties to even, for |v| < 2^22
+  float biased = v + 12582912.f;
+  int32_t i;
+  std::memcpy(&i, &biased, 4);
+  return (i & 0x007fffff) - 0x00400000;
+}
+
+Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
+  Q8K a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / QK), std::vector<int32_t>(M * K / 16)};
+  for (int64_t b = 0; b < M * K / QK; b++) {
+    const float* v = x + b * QK;
+    float max = 0, amax = 0;
+    for (int j = 0; j < QK; j++)
+      if (std::fabs(v[j]) > amax) amax = std::fabs(v[j]), max = v[j];
+    int8_t* q = a.q.data() + b * QK;
+    if (amax == 0) {
+      std::fill(q, q + QK, 0);
+      std::fill(a.sums.begin() + b * 16, a.sums.begin() + b * 16 + 16, 0);
+      a.d[b] = 0;
+      continue;
+    }
+    const float iscale = -127.f / max;
+    for (int j = 0; j < QK; j++) q[j] = int8_t(std::min(127, nearest_int(iscale * v[j])));
+    for (int s = 0; s < 16; s++) {
+      int32_t sum = 0;
+      for (int j = 0; j < 16; j++) sum += q[16 * s + j];
+      a.sums[b * 16 + s] = sum;
+    }
+    a.d[b] = 1 / iscale;
+  }
+  return a;
+}
+
+// Q4_K's 8 sub-blocks' 6-bit scales and minima from their 12 bytes, 4 at a time (one word each): sc 0-3 are the low 6
+// bits of bytes 0-3, m 0-3 of bytes 4-7; sc 4-7 the low nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 above,
+// m 4-7 their high nibbles with the top 2 bits of bytes 4-7
+void scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* m) {
+  uint32_t u[3], out[4];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  out[0] = u[0] & low6, out[2] = u[1] & low6;
+  out[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  out[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  std::memcpy(sc, out, 8), std::memcpy(m, out + 2, 8);
+}
+
+// The integer sums of a super-block for MT tokens: sum over its 32-weight groups g of dot(codes of g, x of g), each 16
+// weights' products times their scale. Codes are unsigned (Q4_K: 0-15; Q6_K: 0-63, whose -32 the caller takes off
+// with the sums of x). A Layout gives group g's 32 codes (`bytes`, or `vector` on AVX2) and the scale of its weights
+// 16 * half.. (`scale`).
+struct Scalar {
+  template <int MT, class Layout>
+  static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
+    for (int m = 0; m < MT; m++) out[m] = 0;
+    uint8_t codes[32];
+    for (int g = 0; g < 8; g++) {
+      layout.bytes(g, codes);
+      for (int m = 0; m < MT; m++)
+        for (int h = 0; h < 2; h++) {
+          int32_t dot = 0;
+          for (int j = 16 * h; j < 16 * h + 16; j++) dot += int32_t(codes[j]) * int32_t(x[m][32 * g + j]);
+          out[m] += layout.scale(g, h) * dot;
+        }
+    }
+  }
+};
+
+#if defined(__x86_64__)
+#define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+
+// AVX2: 32 codes times 32 int8 x as pairs in int16 (maddubs: codes <= 63, so no pair saturates), then each pair of
+// int16 times the scale of its 16 weights into int32 (madd): one add per group and token
+struct Avx2 {
+  template <int MT, class Layout>
+  TARGET_AVX2 static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
+    __m256i acc[MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < 8; g++) {
+      const __m256i c = layout.vector(g);
+      const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(int16_t(layout.scale(g, 0))),
+                                          _mm_set1_epi16(int16_t(layout.scale(g, 1))));
+      for (int m = 0; m < MT; m++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[m] + 32 * g));
+        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), s));
+      }
+    }
+    for (int m = 0; m < MT; m++) {
+      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
+      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
+      out[m] = _mm_cvtsi128_si32(v);
+    }
+  }
+};
+#else
+#define TARGET_AVX2
+#endif
+
+// Q4_K: group g is sub-block g: code bytes (g / 2) * 32.., low nibbles for even g, high for odd
+struct Q4KLayout {
+  const uint8_t* qs;
+  uint8_t sc[8];
+  void bytes(int g, uint8_t* codes) const {
+    for (int j = 0; j < 32; j++) codes[j] = (qs[g / 2 * 32 + j] >> (4 * (g % 2))) & 15;
+  }
+#if defined(__x86_64__)
+  TARGET_AVX2 __m256i vector(int g) const {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + g / 2 * 32));
+    return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
+  }
+#endif
+  int32_t scale(int g, int) const { return sc[g]; }
+};
+
+// Q6_K: group g (h = g / 4, r = g % 4): low 4 bits from ql[h * 64 + (r % 2) * 32 + j] (nibble r / 2), high 2 from
+// qh[h * 32 + j] (bits 2r); an int8 scale per 16 weights
+struct Q6KLayout {
+  const uint8_t *ql, *qh;
+  const int8_t* scales;
+  void bytes(int g, uint8_t* codes) const {
+    const int h = g / 4, r = g % 4;
+    for (int j = 0; j < 32; j++)
+      codes[j] = ((ql[h * 64 + (r % 2) * 32 + j] >> (4 * (r / 2))) & 15) | (((qh[h * 32 + j] >> (2 * r)) & 3) << 4);
+  }
+#if defined(__x86_64__)
+  TARGET_AVX2 __m256i vector(int g) const {
+    const int h = g / 4, r = g % 4;
+    const __m256i low = _mm256_loadu_si256((const __m256i*)(ql + h * 64 + (r % 2) * 32));
+    const __m256i high = _mm256_loadu_si256((const __m256i*)(qh + h * 32));
+    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (r / 2)), _mm256_set1_epi8(15));
+    const __m256i two = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(high, 2 * r), 4), _mm256_set1_epi8(48));
+    return _mm256_or_si256(nibble, two);
+  }
+#endif
+  int32_t scale(int g, int half) const { return scales[2 * g + half]; }
+};
+
+template <class Path, int MT>
+void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums,
+               float* acc) {
+  Q4KLayout layout{block + 16, {}};
+  uint8_t mn[8];
+  int32_t sums[MT];
+  scales_mins(block + 4, layout.sc, mn);
+  Path::template sums<MT>(layout, x, sums);
+  const float d = f16_at(block), dmin = f16_at(block + 2);
+  for (int m = 0; m < MT; m++) {
+    int32_t minima = 0;  // the offset term: each sub-block's min times the sum of its 32 x codes
+    for (int g = 0; g < 8; g++) minima += int32_t(mn[g]) * (xsums[m][2 * g] + xsums[m][2 * g + 1]);
+    acc[m] = std::fma(float(sums[m]), d * xd[m], acc[m]);
+    acc[m] = std::fma(float(minima), -(dmin * xd[m]), acc[m]);
+  }
+}
+
+template <class Path, int MT>
+void q6k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums,
+               float* acc) {
+  const Q6KLayout layout{block, block + 128, reinterpret_cast<const int8_t*>(block + 192)};
+  int32_t sums[MT];
+  Path::template sums<MT>(layout, x, sums);
+  const float d = f16_at(block + 208);
+  for (int m = 0; m < MT; m++) {
+    int32_t offset = 0;  // each 16 x codes' sum times their scale: 32 of it is the codes' -32
+    for (int s = 0; s < 16; s++) offset += int32_t(layout.scales[s]) * xsums[m][s];
+    acc[m] = std::fma(float(sums[m] - 32 * offset), d * xd[m], acc[m]);
+  }
+}
+
+template <class Path, int64_t TYPE, int MT>
+void rows(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1, int64_t m0) {
+  constexpr int64_t BYTES = TYPE == Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  const int64_t per_row = a.K / QK;
+  for (int64_t n = n0; n < n1; n++) {
+    float acc[MT] = {};
+    const uint8_t* row = blocks + n * per_row * BYTES;
+    for (int64_t b = 0; b < per_row; b++) {
+      __builtin_prefetch(row + (b + 4) * BYTES, 0, 0);
+      __builtin_prefetch(row + (b + 4) * BYTES + 64, 0, 0);
+      __builtin_prefetch(row + (b + 4) * BYTES + 128, 0, 0);
+      const int8_t* x[MT];
+      const int32_t* xsums[MT];
+      float xd[MT];
+      for (int m = 0; m < MT; m++) {
+        x[m] = a.q.data() + (m0 + m) * a.K + b * QK;
+        xsums[m] = a.sums.data() + ((m0 + m) * per_row + b) * 16;
+        xd[m] = a.d[(m0 + m) * per_row + b];
+      }
+      if (TYPE == Q4_K) q4k_block<Path, MT>(row + b * BYTES, x, xd, xsums, acc);
+      else q6k_block<Path, MT>(row + b * BYTES, x, xd, xsums, acc);
+    }
+    for (int m = 0; m < MT; m++) y[(m0 + m) * N + n] = acc[m];
+  }
+}
+
+// tokens [m0, m0 + left) for left <= MOST, in one pass
+template <class Path, int64_t TYPE, int MT = MOST>
+void tail(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1, int64_t m0,
+          int64_t left) {
+  if constexpr (MT > 0) {
+    if (left == MT) rows<Path, TYPE, MT>(a, blocks, y, N, n0, n1, m0);
+    else tail<Path, TYPE, MT - 1>(a, blocks, y, N, n0, n1, m0, left);
+  }
+}
+
+template <class Path, int64_t TYPE>
+void all_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1) {
+  int64_t m = 0;
+  for (; m + MOST <= a.M; m += MOST) rows<Path, TYPE, MOST>(a, blocks, y, N, n0, n1, m);
+  tail<Path, TYPE>(a, blocks, y, N, n0, n1, m, a.M - m);
+}
+
+template <int64_t TYPE>
+void scalar_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1) {
+  all_tokens<Scalar, TYPE>(a, blocks, y, N, n0, n1);
+}
+#if defined(__x86_64__)
+template <int64_t TYPE>
+TARGET_AVX2 __attribute__((flatten)) void avx2_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N,
+                                                      int64_t n0, int64_t n1) {
+  all_tokens<Avx2, TYPE>(a, blocks, y, N, n0, n1);
+}
+#endif
+
+bool has_avx2() {
+#if defined(__x86_64__)
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+namespace medusa {
+
+at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type, int64_t path) {
+  const int64_t bytes = type == Q4_K ? Q4_K_BYTES : Q6_K_BYTES;
+  TORCH_CHECK(type == Q4_K || type == Q6_K, "medusa::linear_k: GGUF type ", type, " is not Q4_K (12) or Q6_K (14)");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte && blocks.size(1) % bytes == 0,
+              "medusa::linear_k: uint8 blocks [N, whole blocks of ", bytes, " bytes]");
+  const int64_t N = blocks.size(0), K = blocks.size(1) / bytes * QK;
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
+              "medusa::linear_k: float32 x [M, K] with K = ", K);
+  const bool avx2 = path < 0 ? has_avx2() : path == 1;
+  TORCH_CHECK(path < 2 && (!avx2 || has_avx2()), "medusa::linear_k: path ", path, " does not run on this CPU");
+  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+  const Q8K a = quantize_q8k(xc.data_ptr<float>(), xc.size(0), K);
+  at::Tensor y = xc.new_empty({xc.size(0), N});
+  const uint8_t* data = bc.data_ptr<uint8_t>();
+  float* Y = y.data_ptr<float>();
+  using Rows = void (*)(const Q8K&, const uint8_t*, float*, int64_t, int64_t, int64_t);
+  Rows run = type == Q4_K ? scalar_tokens<Q4_K> : scalar_tokens<Q6_K>;
+#if defined(__x86_64__)
+  if (avx2) run = type == Q4_K ? avx2_tokens<Q4_K> : avx2_tokens<Q6_K>;
+#endif
+  at::parallel_for(0, (N + TILE_ROWS - 1) / TILE_ROWS, 8, [&](int64_t begin, int64_t end) {
+    run(a, data, Y, N, begin * TILE_ROWS, std::min(N, end * TILE_ROWS));
+  });
+  return y;
+}
+
+}  // namespace medusa
