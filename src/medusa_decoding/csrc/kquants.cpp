@@ -7,7 +7,6 @@
 // beside it. Over a tree the blocks' codes are unpacked once for up to 8 tokens: integer dot products do 16x the
 // work of float32 FMAs per instruction, so extra candidates cost little.
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cmath>
@@ -16,6 +15,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "simd.h"
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -23,24 +23,21 @@
 
 namespace {
 
+using simd::f16_at;
+
 constexpr int64_t QK = 256;       // weights a super-block
 constexpr int64_t TILE_ROWS = 4;  // weight rows a task
 constexpr int MOST = 8;           // tokens a pass over a row's unpacked codes
 constexpr int64_t Q4_K = 12, Q6_K = 14, Q4_K_BYTES = 144, Q6_K_BYTES = 210;
 
-float f16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return float(c10::Half(bits, c10::Half::from_bits()));
-}
-
 // x as llama.cpp's Q8_K: per 256 values codes q = min(127, round(-127 / max * x)) (max: the value of largest magnitude,
-// signed; ties to even), d = 1 / (-127 / max), and the sums of each 16 codes
+// signed; ties to even), d = 1 / (-127 / max), and the sums of each 16 and each 32 codes
 struct Q8K {
   int64_t M, K;
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> d;       // [M, K / 256]
-  std::vector<int32_t> sums;  // [M, K / 16]
+  std::vector<int32_t> sums;    // [M, K / 16]
+  std::vector<int32_t> sums32;  // [M, K / 32]
 };
 
 int nearest_int(float v) {  // llama.cpp's: to nearest, ties to even, for |v| < 2^22
@@ -51,7 +48,8 @@ int nearest_int(float v) {  // llama.cpp's: to nearest, ties to even, for |v| < 
 }
 
 Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
-  Q8K a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / QK), std::vector<int32_t>(M * K / 16)};
+  Q8K a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / QK), std::vector<int32_t>(M * K / 16),
+        std::vector<int32_t>(M * K / 32)};
   for (int64_t b = 0; b < M * K / QK; b++) {
     const float* v = x + b * QK;
     float max = 0, amax = 0;
@@ -61,6 +59,7 @@ Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
     if (amax == 0) {
       std::fill(q, q + QK, 0);
       std::fill(a.sums.begin() + b * 16, a.sums.begin() + b * 16 + 16, 0);
+      std::fill(a.sums32.begin() + b * 8, a.sums32.begin() + b * 8 + 8, 0);
       a.d[b] = 0;
       continue;
     }
@@ -71,6 +70,7 @@ Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
       for (int j = 0; j < 16; j++) sum += q[16 * s + j];
       a.sums[b * 16 + s] = sum;
     }
+    for (int s = 0; s < 8; s++) a.sums32[b * 8 + s] = a.sums[b * 16 + 2 * s] + a.sums[b * 16 + 2 * s + 1];
     a.d[b] = 1 / iscale;
   }
   return a;
@@ -142,8 +142,35 @@ struct Avx2 {
 #define TARGET_AVX2
 #endif
 
+#if defined(__x86_64__) && defined(__AVX512BW__)
+// AVX-512 (the avx512 variant's build only: an AVX2 build never runs it): two groups a 64-byte vector, the same
+// pairs in int16 and scaled pairs in int32 as AVX2's; a Layout gives groups 2k and 2k + 1 side by side (`pair`) and
+// its scales as int16 lanes (`scales16`), one a SPAN weights
+struct Avx512 {
+  template <int MT, class Layout>
+  static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
+    __m512i acc[MT];
+    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_si512();
+    const __m512i scales = layout.scales16();  // int16: the scale of each of the super-block's scale spans
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; k++) {
+      const __m512i c = layout.pair(k);
+      alignas(64) int16_t span[32];  // int16 lane j of pair k (weights 64k + 2j, + 1): its scale's index
+      for (int j = 0; j < 32; j++) span[j] = int16_t((64 * k + 2 * j) / Layout::SPAN);
+      const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)span), scales);
+      for (int m = 0; m < MT; m++) {
+        const __m512i xv = _mm512_loadu_si512((const void*)(x[m] + 64 * k));
+        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_maddubs_epi16(c, xv), s));
+      }
+    }
+    for (int m = 0; m < MT; m++) out[m] = _mm512_reduce_add_epi32(acc[m]);
+  }
+};
+#endif
+
 // Q4_K: group g is sub-block g: code bytes (g / 2) * 32.., low nibbles for even g, high for odd
 struct Q4KLayout {
+  static constexpr int SPAN = 32;  // weights a scale
   const uint8_t* qs;
   uint8_t sc[8];
   void bytes(int g, uint8_t* codes) const {
@@ -155,12 +182,25 @@ struct Q4KLayout {
     return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
   }
 #endif
+#if defined(__x86_64__) && defined(__AVX512BW__)
+  __m512i pair(int k) const {  // sub-blocks 2k and 2k + 1: chunk k's low nibbles, then its high ones
+    const __m512i chunk = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * k)));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+    return _mm512_and_si512(_mm512_srlv_epi16(chunk, shifts), _mm512_set1_epi8(15));
+  }
+  __m512i scales16() const {
+    int64_t eight;
+    std::memcpy(&eight, sc, 8);
+    return _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(eight)));
+  }
+#endif
   int32_t scale(int g, int) const { return sc[g]; }
 };
 
 // Q6_K: group g (h = g / 4, r = g % 4): low 4 bits from ql[h * 64 + (r % 2) * 32 + j] (nibble r / 2), high 2 from
 // qh[h * 32 + j] (bits 2r); an int8 scale per 16 weights
 struct Q6KLayout {
+  static constexpr int SPAN = 16;
   const uint8_t *ql, *qh;
   const int8_t* scales;
   void bytes(int g, uint8_t* codes) const {
@@ -178,11 +218,25 @@ struct Q6KLayout {
     return _mm256_or_si256(nibble, two);
   }
 #endif
+#if defined(__x86_64__) && defined(__AVX512BW__)
+  __m512i pair(int k) const {  // groups 2k and 2k + 1 (h = k / 2, r = 2 (k % 2) and r + 1)
+    const int h = k / 2, r = 2 * (k % 2);
+    __m512i low = _mm512_loadu_si512((const void*)(ql + h * 64));
+    low = _mm512_and_si512(k % 2 ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
+    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + h * 32)));
+    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(int16_t(2 * r)), _mm256_set1_epi16(int16_t(2 * r + 2)), 1);
+    const __m512i two = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shifts), _mm512_set1_epi8(3)), 4);
+    return _mm512_or_si512(low, two);
+  }
+  __m512i scales16() const {
+    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)scales)));
+  }
+#endif
   int32_t scale(int g, int half) const { return scales[2 * g + half]; }
 };
 
 template <class Path, int MT>
-void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums,
+void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums32,
                float* acc) {
   Q4KLayout layout{block + 16, {}};
   uint8_t mn[8];
@@ -192,7 +246,7 @@ void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, co
   const float d = f16_at(block), dmin = f16_at(block + 2);
   for (int m = 0; m < MT; m++) {
     int32_t minima = 0;  // the offset term: each sub-block's min times the sum of its 32 x codes
-    for (int g = 0; g < 8; g++) minima += int32_t(mn[g]) * (xsums[m][2 * g] + xsums[m][2 * g + 1]);
+    for (int g = 0; g < 8; g++) minima += int32_t(mn[g]) * xsums32[m][g];
     acc[m] = std::fma(float(sums[m]), d * xd[m], acc[m]);
     acc[m] = std::fma(float(minima), -(dmin * xd[m]), acc[m]);
   }
@@ -224,11 +278,12 @@ void rows(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, 
       __builtin_prefetch(row + (b + 4) * BYTES + 64, 0, 0);
       __builtin_prefetch(row + (b + 4) * BYTES + 128, 0, 0);
       const int8_t* x[MT];
-      const int32_t* xsums[MT];
+      const int32_t* xsums[MT];  // per 16 (Q6_K) or 32 (Q4_K) codes
       float xd[MT];
       for (int m = 0; m < MT; m++) {
         x[m] = a.q.data() + (m0 + m) * a.K + b * QK;
-        xsums[m] = a.sums.data() + ((m0 + m) * per_row + b) * 16;
+        xsums[m] = TYPE == Q4_K ? a.sums32.data() + ((m0 + m) * per_row + b) * 8
+                                : a.sums.data() + ((m0 + m) * per_row + b) * 16;
         xd[m] = a.d[(m0 + m) * per_row + b];
       }
       if (TYPE == Q4_K) q4k_block<Path, MT>(row + b * BYTES, x, xd, xsums, acc);
@@ -259,6 +314,13 @@ template <int64_t TYPE>
 void scalar_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1) {
   all_tokens<Scalar, TYPE>(a, blocks, y, N, n0, n1);
 }
+#if defined(__x86_64__) && defined(__AVX512BW__)
+template <int64_t TYPE>
+__attribute__((flatten)) void avx512_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0,
+                                            int64_t n1) {
+  all_tokens<Avx512, TYPE>(a, blocks, y, N, n0, n1);
+}
+#endif
 #if defined(__x86_64__)
 template <int64_t TYPE>
 TARGET_AVX2 __attribute__((flatten)) void avx2_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N,
@@ -266,6 +328,14 @@ TARGET_AVX2 __attribute__((flatten)) void avx2_tokens(const Q8K& a, const uint8_
   all_tokens<Avx2, TYPE>(a, blocks, y, N, n0, n1);
 }
 #endif
+
+bool has_avx512() {  // in the avx512 variant's build only
+#if defined(__x86_64__) && defined(__AVX512BW__)
+  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
+#else
+  return false;
+#endif
+}
 
 bool has_avx2() {
 #if defined(__x86_64__)
@@ -287,8 +357,10 @@ at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   const int64_t N = blocks.size(0), K = blocks.size(1) / bytes * QK;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
               "medusa::linear_k: float32 x [M, K] with K = ", K);
-  const bool avx2 = path < 0 ? has_avx2() : path == 1;
-  TORCH_CHECK(path < 2 && (!avx2 || has_avx2()), "medusa::linear_k: path ", path, " does not run on this CPU");
+  // 0 scalar, 1 AVX2, 2 AVX-512 (-1: the fastest this build and CPU run)
+  path = path >= 0 ? path : has_avx512() ? 2 : has_avx2() ? 1 : 0;
+  TORCH_CHECK(path == 0 || (path == 1 && has_avx2()) || (path == 2 && has_avx512()), "medusa::linear_k: path ", path,
+              " does not run on this CPU and build");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const Q8K a = quantize_q8k(xc.data_ptr<float>(), xc.size(0), K);
   at::Tensor y = xc.new_empty({xc.size(0), N});
@@ -297,7 +369,10 @@ at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   using Rows = void (*)(const Q8K&, const uint8_t*, float*, int64_t, int64_t, int64_t);
   Rows run = type == Q4_K ? scalar_tokens<Q4_K> : scalar_tokens<Q6_K>;
 #if defined(__x86_64__)
-  if (avx2) run = type == Q4_K ? avx2_tokens<Q4_K> : avx2_tokens<Q6_K>;
+  if (path == 1) run = type == Q4_K ? avx2_tokens<Q4_K> : avx2_tokens<Q6_K>;
+#endif
+#if defined(__x86_64__) && defined(__AVX512BW__)
+  if (path == 2) run = type == Q4_K ? avx512_tokens<Q4_K> : avx512_tokens<Q6_K>;
 #endif
   at::parallel_for(0, (N + TILE_ROWS - 1) / TILE_ROWS, 8, [&](int64_t begin, int64_t end) {
     run(a, data, Y, N, begin * TILE_ROWS, std::min(N, end * TILE_ROWS));

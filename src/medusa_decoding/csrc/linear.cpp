@@ -17,7 +17,6 @@
 // The arithmetic is simd.h's 16-lane vectors: every instruction-set variant (AVX-512, AVX2, baseline) gives the
 // same bits; only the tiles differ, sized for each one's registers.
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -233,12 +232,6 @@ at::Tensor run(const at::Tensor& x, const Weights& weights, int64_t N) {
 // medusa::linear's over those weights.
 
 enum GgmlType : int64_t { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q5_1 = 7, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
-
-inline float f16_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, 2);
-  return float(c10::Half(bits, c10::Half::from_bits()));
-}
 
 // weights and bytes a block of each type
 template <int64_t TYPE>

@@ -82,6 +82,29 @@ inline V to_float(I v) { return __builtin_convertvector(v, V); }
 
 inline V abs(V a) { return (V)((I)a & 0x7fffffff); }  // the sign bit cleared, as fabs
 
+// the float16 at p (its bits, any alignment) as float32: exact; F16C's conversion where the build has it, else the
+// fields moved as load16's baseline moves them
+inline float f16_at(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+#if defined(__F16C__)
+  return _cvtsh_ss(h);
+#else
+  const uint32_t exponent = h & 0x7c00;
+  uint32_t bits = ((h & 0x7fff) << 13) + (112 << 23);  // the exponent's bias 15 -> 127
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24
+    const float small = float(h & 0x3ff) * 0x1p-24f;
+    std::memcpy(&bits, &small, 4);
+  } else if (exponent == 0x7c00) {  // infinities, NaNs
+    bits += 112 << 23;
+  }
+  bits |= uint32_t(h & 0x8000) << 16;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+#endif
+}
+
 // 16 lanes as P native vectors
 struct F16 {
   V p[P];
