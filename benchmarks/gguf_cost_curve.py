@@ -1,8 +1,10 @@
-"""The cost curve of a user's own GGUF model: from SmolLM2-135M to Llama-3.1-8B shapes, our plain step against
-llama.cpp's on the same file and threads, our step with 1-32 candidates against our plain step, and the MEDUSA speedup
-the tokens a step of real heads (the embedded default's shipped heads, simulated on their calibration data) would give
-at each size. The bigger models are Llama-shaped GGUF files of random blocks in llama.cpp's Q4_K_M mix
-(random_gguf.py, the embedded model's tokenizer): a step's cost does not depend on the weights' values.
+"""The cost curve of a user's own GGUF model: from SmolLM2-135M to Llama-3.1-8B shapes, our plain decoding step
+against llama.cpp's on the same file and threads, our MEDUSA step with 1-32 candidates (the heads guessing over 4096
+tokens, as calibrated heads do) against our plain step, and the speedup the tokens a step of real heads (the embedded
+default's shipped heads, simulated on their calibration data) would give at each size. The bigger models are
+Llama-shaped GGUF files of random blocks in llama.cpp's Q4_K_M mix (random_gguf.py, the embedded model's tokenizer,
+so a 49,152-token vocabulary: Llama 3's LM head is 2.6x larger): a step's cost does not depend on the weights'
+values.
 
 Each instruction set runs in a process of its own (MEDUSA_ISA); JSON, a table and a plot under --out.
 
@@ -23,6 +25,8 @@ from pathlib import Path
 HERE = Path(__file__).parent
 CANDIDATES = (1, 2, 4, 8, 16, 32)
 SHAPES = ("1b", "3b", "8b")
+GUESS_VOCAB = 4096  # the tokens the heads guess over (the shipped heads' calibration keeps 4096)
+PLAIN_TOKENS = 32  # plain decoding's steps timed after the prompt
 
 
 def model_file(name: str, folder: Path) -> Path:
@@ -55,7 +59,9 @@ def tokens_at(table: dict, n: int) -> float:
         return table[sizes[-1]]
     upper = next(s for s in sizes if s >= n)
     lower = max(s for s in sizes if s <= n)
-    return table[lower] if upper == lower else table[lower] + (table[upper] - table[lower]) * (n - lower) / (upper - lower)
+    if upper == lower:
+        return table[lower]
+    return table[lower] + (table[upper] - table[lower]) * (n - lower) / (upper - lower)
 
 
 def measure(name: str, path: Path, kernels: str, context: int, repeats: int, threads: int) -> dict:
@@ -64,7 +70,7 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
 
     from medusa_decoding import MedusaModel, kernels as ops, llamacpp
     from medusa_decoding.calibrate import measure_step_latency
-    from medusa_decoding.config import CalibrateConfig
+    from medusa_decoding.config import CalibrateConfig, GenerationConfig
     from medusa_decoding.tree import Tree
 
     torch.set_num_threads(threads)
@@ -72,7 +78,16 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
     start = time.perf_counter()
     medusa = MedusaModel.from_pretrained(path, kernels=kernels, tree=[[0]])
     load_s = time.perf_counter() - start
-    trees = [Tree.from_spec([])] + [Tree.from_spec([tuple(p) for p in paths[:n]]) for n in CANDIDATES]
+    # the heads guess over GUESS_VOCAB tokens, as calibrated heads do (the shipped ones: 4096): untrained heads over a
+    # whole vocabulary would time their guesses, not the tree
+    ops.set_guess_vocab(medusa.model, torch.arange(GUESS_VOCAB))
+    prompt = torch.randint(1000, 20000, (context,), generator=torch.Generator().manual_seed(0))
+    plain_steps = []  # plain decoding's steps, no heads: what a step of MEDUSA is weighed against
+    for _ in range(repeats):
+        out = medusa.generate(prompt, config=GenerationConfig(max_new_tokens=PLAIN_TOKENS + 1, medusa=False))
+        plain_steps.append((out.seconds - out.first_token_seconds) / PLAIN_TOKENS)
+    plain = statistics.median(plain_steps)
+    trees = [Tree.from_spec([tuple(p) for p in paths[:n]]) for n in CANDIDATES]
     config = CalibrateConfig(latency_contexts=(context,), latency_repeats=repeats, batch_sizes=(1,))
     seconds = measure_step_latency(medusa, trees, config)[1][0]
     rss_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
@@ -82,7 +97,6 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
     prefix = torch.randint(1000, 20000, (context,), generator=torch.Generator().manual_seed(0)).tolist()
     llama_s = llamacpp.step_latency(llama, prefix, [1, 4], repeats)
     del llama
-    plain = seconds[0]
     return {
         "model": name, "file": str(path), "file_gib": path.stat().st_size / 2**30, "kernels": kernels,
         "isa": ops.variant(), "threads": threads, "context": context, "load_s": load_s, "peak_rss_gib": rss_gib,
@@ -90,7 +104,7 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
         "plain_vs_llama_cpp": llama_s[0] / plain,
         "candidates": {n: {"ms": s * 1e3, "vs_plain": s / plain, "tokens_a_step": tokens_at(simulated, n),
                            "predicted_speedup": tokens_at(simulated, n) / (s / plain)}
-                       for n, s in zip(CANDIDATES, seconds[1:])},
+                       for n, s in zip(CANDIDATES, seconds)},
     }
 
 
@@ -120,8 +134,8 @@ def plot(results: list[dict], out: Path) -> None:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| model | kernels | ISA | file GiB | peak RSS GiB | load s | plain ms | llama.cpp ms | plain vs llama.cpp | "
-             "4 cand. / plain | 8 cand. / plain | best predicted speedup |", "|" + " --- |" * 12]
+    lines = ["| model | kernels | ISA | file GiB | peak RSS GiB | load s | plain ms | llama.cpp ms | plain vs "
+             "llama.cpp | 4 cand. / plain | 8 cand. / plain | best predicted speedup |", "|" + " --- |" * 12]
     for r in results:
         best = max(r["candidates"].items(), key=lambda item: item[1]["predicted_speedup"])
         lines.append(f"| {r['model']} | {r['kernels']} | {r['isa']} | {r['file_gib']:.2f} | {r['peak_rss_gib']:.2f} | "

@@ -3,8 +3,8 @@ values, so these time a 1B or 8B model that cannot be downloaded here; tiny ones
 
 Each quantized tensor is random block bytes with its float16 scales set to small values (no float weights are
 quantized, so any type is written as fast as any other); the model's weights are whatever those blocks decode to.
-The tokenizer is a byte-level BPE of 256 tokens plus a few merges and an end token (<|endoftext|>) (`tokenizer.ggml.model` gpt2), or
-copied from another GGUF file (`--tokenizer-from`, e.g. the embedded default's).
+The tokenizer is a byte-level BPE of 256 tokens plus a few merges and an end token, <|endoftext|>
+(`tokenizer.ggml.model` gpt2), or copied from another GGUF file (`--tokenizer-from`, e.g. the embedded default's).
 
     python benchmarks/random_gguf.py out.gguf --shape 1b --type Q4_K [--tokenizer-from SmolLM2.gguf]
 """
@@ -55,7 +55,7 @@ def random_blocks(rng: np.random.Generator, rows: int, cols: int, qtype: str, sc
 
 
 def byte_tokenizer(writer: GGUFWriter) -> int:
-    """A byte-level BPE (GPT-2's byte alphabet) of 256 tokens, a few merges and <|endoftext|>; returns the vocabulary size."""
+    """A byte-level BPE (GPT-2's byte alphabet) of 256 tokens, a few merges and <|endoftext|>; returns its size."""
     alphabet = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = [], 0
     for b in range(256):

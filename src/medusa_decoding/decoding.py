@@ -26,7 +26,7 @@ from .eager import Eager, Packed
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads, OwnTokens
 from .heads_draft import HeadsDraft
-from .kernels import guess_projection, weight_rows
+from .kernels import guess_projection
 from .lookup import LookupDraft
 from .proposers import Proposer, SoFar, StepStart, drafted, graft, step_cost
 from .tree import Tree, build, padded
@@ -119,7 +119,7 @@ class Batch:
         vocabulary = None if self.heads is None or isinstance(self.engine, Compiled) else self.heads.guess_rows(self.lm_head)
         if vocabulary is None:
             return None
-        return OwnTokens(vocabulary, weight_rows(self.model.get_output_embeddings()), tokens)
+        return OwnTokens(vocabulary, self.model.get_output_embeddings(), tokens)
 
     def step(self) -> list[tuple[Row, list[int], int]]:
         """One forward pass over every row's tree -> (row, the tokens it produced, the candidates it verified) per

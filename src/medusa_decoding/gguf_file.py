@@ -8,6 +8,7 @@ digest is remembered per path, size and modification time.
 
 import hashlib
 import json
+import math
 import mmap
 import os
 import shutil
@@ -16,7 +17,6 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from .config import cache_root
@@ -33,7 +33,7 @@ CHUNK = 1 << 24  # bytes hashed a read
 # the ggml numbers of the block types, their weights and bytes a block (GGML_QUANT_SIZES, as a file holds them)
 BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
                "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
-FLOAT_TYPES = {0: np.float32, 1: np.float16, 30: None}  # F32, F16, BF16 (numpy has none: read as int16 bits)
+FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16 by ggml's numbers
 TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", **{number: name for name, (number, _, _) in BLOCK_TYPES.items()}}
 # a metadata value's struct format by GGUF's type number (8: string, 9: array, read apart)
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
@@ -181,8 +181,9 @@ def tensor_table(path: Path) -> tuple[dict[str, Tensor], dict[str, object]]:
     for name, shape, kind, offset in infos:
         if kind not in TYPE_NAMES:
             raise ValueError(f"model: {path}: tensor {name} is of type {kind}, which this engine does not read")
-        weights = int(np.prod(shape))
-        _, per_block, block_bytes = BLOCK_TYPES.get(TYPE_NAMES[kind], (0, 1, 2 if kind in (1, 30) else 4))
+        weights = math.prod(shape)
+        float_bytes = FLOAT_TYPES[kind].itemsize if kind in FLOAT_TYPES else 0
+        _, per_block, block_bytes = BLOCK_TYPES.get(TYPE_NAMES[kind], (0, 1, float_bytes))
         tensors[name] = Tensor(kind, shape, start + offset, weights // per_block * block_bytes)
         if start + offset + tensors[name].nbytes > size:
             raise ValueError(f"model: {path} is not a readable GGUF file (truncated or corrupt?): tensor {name} "
@@ -239,8 +240,9 @@ def mapped(path: Path) -> torch.Tensor:
 
 def load(path: Path):
     """A GGUF file's model with every linear (and the embedding) on the file's blocks, read in place from the mapped
-    file (kernels.NativeLinear with `blocks`, GgufEmbedding), the rest (norms, float tensors) read into float32; config and tokenizer from
-    model_dir. Peak memory is the norms and what the pages of the file the passes touch. -> (model, tokenizer)"""
+    file (kernels.NativeLinear with `blocks`, GgufEmbedding), the rest (norms, float tensors) read into float32;
+    config and tokenizer from model_dir. Peak memory is the norms and the pages of the file the passes touch.
+    -> (model, tokenizer)"""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
@@ -255,7 +257,7 @@ def load(path: Path):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig.from_pretrained(directory)
     data = mapped(path)
-    names = gguf_names(model, str(metadata["general.architecture"]))
+    names = gguf_names(model, metadata["general.architecture"])
     text = config.get_text_config()
     for module_name, module in model.named_modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
@@ -265,11 +267,13 @@ def load(path: Path):
             if key is None or key not in tensors:
                 raise ValueError(f"model: {path}: no tensor in the file for {module_name}.{name}")
             tensor = tensors[key]
-            rows = permutation(key, tensor.shape[0], text) if str(metadata["general.architecture"]) == "llama" else None
+            if tensor.shape != tuple(parameter.shape):
+                raise ValueError(f"model: {path}: tensor {key} is {list(tensor.shape)}, but the file's config makes "
+                                 f"{module_name}.{name} {list(parameter.shape)} (corrupt?)")
+            rows = permutation(key, tensor.shape[0], text) if metadata["general.architecture"] == "llama" else None
             raw = data[tensor.offset:tensor.offset + tensor.nbytes]
             if tensor.kind in FLOAT_TYPES:
-                values = raw.view(torch.bfloat16 if tensor.kind == 30 else {0: torch.float32, 1: torch.float16}[tensor.kind])
-                values = values.reshape(tensor.shape).float()
+                values = raw.view(FLOAT_TYPES[tensor.kind]).reshape(tensor.shape).float()
                 setattr(module, name, torch.nn.Parameter(values if rows is None else values[rows], requires_grad=False))
                 continue
             blocks = raw.view(tensor.shape[0], -1)
@@ -308,8 +312,9 @@ def permutation(key: str, rows: int, config) -> torch.Tensor | None:
 
 
 class GgufEmbedding(torch.nn.Embedding):
-    """An embedding whose rows are a GGUF file's blocks (`blocks`, `kind`, as a GGUF NativeLinear's): a token's row is decoded
-    when it is looked up (medusa::dequantize_gguf: bitwise the `gguf` package's values); `weight` a placeholder."""
+    """An embedding whose rows are a GGUF file's blocks (`blocks`, `kind`, as a GGUF NativeLinear's): a token's row is
+    decoded when it is looked up (medusa::dequantize_gguf: bitwise the `gguf` package's values); `weight` a
+    placeholder."""
 
     kind: int = 0
 

@@ -70,20 +70,21 @@ class OwnTokens:
     guessed beside the vocabulary, they cost a few hundred LM head rows, not all of them. columns [V' + E]: the
     token of each column the heads rank (the vocabulary's, then the row's own); weight [E, H]: their LM head rows."""
 
-    def __init__(self, vocabulary: torch.Tensor, lm_weight: torch.Tensor, tokens: list[int]):
-        self.known = torch.zeros(lm_weight.shape[0], dtype=torch.bool, device=lm_weight.device)
+    def __init__(self, vocabulary: torch.Tensor, lm_head: nn.Linear, tokens: list[int]):
+        self.known = torch.zeros(lm_head.out_features, dtype=torch.bool, device=vocabulary.device)
         self.known[vocabulary] = True
-        self.lm_weight = lm_weight
+        self.lm_head = lm_head
         self.columns = vocabulary
-        self.weight = lm_weight[:0]
+        self.weight = weight_rows(lm_head, vocabulary[:0])
         self.extend(tokens)
 
     def extend(self, tokens: list[int]) -> None:
         new = torch.tensor(list(dict.fromkeys(tokens)), dtype=torch.long, device=self.known.device)
         new = new[~self.known[new]]
-        if len(new):
+        if len(new):  # only these rows of the LM head, as floats (a GGUF one's decoded from its blocks)
             self.known[new] = True
-            self.columns, self.weight = torch.cat([self.columns, new]), torch.cat([self.weight, self.lm_weight[new]])
+            self.columns = torch.cat([self.columns, new])
+            self.weight = torch.cat([self.weight, weight_rows(self.lm_head, new)])
 
 
 class MedusaHeads(nn.Module):

@@ -224,7 +224,8 @@ struct Q6KLayout {
     __m512i low = _mm512_loadu_si512((const void*)(ql + h * 64));
     low = _mm512_and_si512(k % 2 ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
     const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + h * 32)));
-    const __m512i shifts = _mm512_inserti64x4(_mm512_set1_epi16(int16_t(2 * r)), _mm256_set1_epi16(int16_t(2 * r + 2)), 1);
+    const __m512i shifts =
+        _mm512_inserti64x4(_mm512_set1_epi16(int16_t(2 * r)), _mm256_set1_epi16(int16_t(2 * r + 2)), 1);
     const __m512i two = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shifts), _mm512_set1_epi8(3)), 4);
     return _mm512_or_si512(low, two);
   }

@@ -288,8 +288,8 @@ void decode_block(const uint8_t* b, float* out) {
         out[32 * s + j] = ds * float(q) - ms;
       }
     }
-  } else {  // Q6_K: group g (32 weights) of half h = g / 4, r = g % 4: low 4 bits from ql byte h * 64 + (r % 2) * 32 + j
-    // (nibble r / 2), high 2 from qh byte h * 32 + j (bits 2r, 2r + 1); an int8 scale per 16 weights
+  } else {  // Q6_K: group g (32 weights) of half h = g / 4, r = g % 4: low 4 bits from ql byte
+    // h * 64 + (r % 2) * 32 + j (nibble r / 2), high 2 from qh byte h * 32 + j (bits 2r, 2r + 1); a scale per 16
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     const float d = f16_at(b + 208);
@@ -319,7 +319,8 @@ struct Decoder<Q8_0> {
   V part(int i, int p) const { return d * to_float(signed_bytes(widen(b + 2 + 16 * i + p * W))); }
 };
 
-// Q4_0, Q4_1, Q5_0, Q5_1: weight j's low 4 bits in byte j % 16 (low nibble for j < 16, high above), Q5's fifth bit j of qh
+// Q4_0, Q4_1, Q5_0, Q5_1: weight j's low 4 bits in byte j % 16 (low nibble for j < 16, high above), Q5's fifth bit
+// j of qh
 template <int64_t TYPE>
 struct Decoder32 {
   static constexpr bool FIVE = TYPE == Q5_0 || TYPE == Q5_1, OFFSET = TYPE == Q4_1 || TYPE == Q5_1;
