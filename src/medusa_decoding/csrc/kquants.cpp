@@ -24,6 +24,7 @@
 namespace {
 
 using simd::f16_at;
+using simd::scales_mins;
 
 constexpr int64_t QK = 256;       // weights a super-block
 constexpr int64_t TILE_ROWS = 4;  // weight rows a task
@@ -74,19 +75,6 @@ Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
     a.d[b] = 1 / iscale;
   }
   return a;
-}
-
-// Q4_K's 8 sub-blocks' 6-bit scales and minima from their 12 bytes, 4 at a time (one word each): sc 0-3 are the low 6
-// bits of bytes 0-3, m 0-3 of bytes 4-7; sc 4-7 the low nibbles of bytes 8-11 with the top 2 bits of bytes 0-3 above,
-// m 4-7 their high nibbles with the top 2 bits of bytes 4-7
-void scales_mins(const uint8_t* s, uint8_t* sc, uint8_t* m) {
-  uint32_t u[3], out[4];
-  std::memcpy(u, s, 12);
-  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-  out[0] = u[0] & low6, out[2] = u[1] & low6;
-  out[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-  out[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-  std::memcpy(sc, out, 8), std::memcpy(m, out + 2, 8);
 }
 
 // The integer sums of a super-block for MT tokens: sum over its 32-weight groups g of dot(codes of g, x of g), each 16
@@ -240,9 +228,11 @@ template <class Path, int MT>
 void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums32,
                float* acc) {
   Q4KLayout layout{block + 16, {}};
-  uint8_t mn[8];
+  uint8_t scales[16];  // sc 0-7, m 0-7
   int32_t sums[MT];
-  scales_mins(block + 4, layout.sc, mn);
+  scales_mins(block + 4, scales);
+  std::memcpy(layout.sc, scales, 8);
+  const uint8_t* mn = scales + 8;
   Path::template sums<MT>(layout, x, sums);
   const float d = f16_at(block), dmin = f16_at(block + 2);
   for (int m = 0; m < MT; m++) {

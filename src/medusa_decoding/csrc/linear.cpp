@@ -240,15 +240,6 @@ template <int64_t TYPE>
 constexpr int64_t BYTES = TYPE == Q4_0 ? 18 : TYPE == Q4_1 ? 20 : TYPE == Q5_0 ? 22 : TYPE == Q5_1 ? 24 :
                           TYPE == Q8_0 ? 34 : TYPE == Q4_K ? 144 : TYPE == Q5_K ? 176 : 210;
 
-// Q4_K and Q5_K's 8 sub-blocks' 6-bit scales and minima, packed in 12 bytes
-inline void scale_min(const uint8_t* s, int j, int& sc, int& m) {
-  if (j < 4) {
-    sc = s[j] & 63, m = s[j + 4] & 63;
-  } else {
-    sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4), m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-  }
-}
-
 // one block at b to WEIGHTS<TYPE> floats; 32-weight types keep weight j in byte j's low nibble and j + 16 in its high
 template <int64_t TYPE>
 void decode_block(const uint8_t* b, float* out) {
@@ -277,11 +268,11 @@ void decode_block(const uint8_t* b, float* out) {
     // sub-block s (32 weights): chunk s / 2 of 32 code bytes, low nibbles for even s, high for odd; Q5_K's fifth bit
     // of weight j is bit s of qh[j]
     const float d = f16_at(b), dmin = f16_at(b + 2);
-    const uint8_t *scales = b + 4, *qh = b + 16, *qs = b + (TYPE == Q5_K ? 48 : 16);
+    const uint8_t *qh = b + 16, *qs = b + (TYPE == Q5_K ? 48 : 16);
+    uint8_t scales[16];  // sc 0-7, m 0-7
+    scales_mins(b + 4, scales);
     for (int s = 0; s < 8; s++) {
-      int sc, m;
-      scale_min(scales, s, sc, m);
-      const float ds = d * float(sc), ms = dmin * float(m);
+      const float ds = d * float(scales[s]), ms = dmin * float(scales[8 + s]);
       for (int j = 0; j < 32; j++) {
         int q = (qs[s / 2 * 32 + j] >> (4 * (s % 2))) & 15;
         if (TYPE == Q5_K) q |= ((qh[j] >> s) & 1) << 4;
@@ -354,20 +345,11 @@ struct DecoderK {
   const uint8_t *qs, *qh;
   float scaled[16];  // each sub-block's d * scale, then its dmin * min
   explicit DecoderK(const uint8_t* b) : qs(b + (TYPE == Q5_K ? 48 : 16)), qh(b + 16) {
-    // the 12 bytes of 6-bit scales and minima unpacked 4 at a time (as scale_min, one word each): sc 0-3, sc 4-7,
-    // m 0-3, m 4-7
-    uint32_t u[4];
-    std::memcpy(u, b + 4, 12);
-    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
-    u[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
-    const uint32_t minima = u[1] & low6;
-    u[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
-    u[2] = minima;
-    u[0] &= low6;
+    uint8_t scales[16];  // sc 0-7, m 0-7
+    scales_mins(b + 4, scales);
     float factor[16];
     for (int l = 0; l < 8; l++) factor[l] = f16_at(b), factor[8 + l] = f16_at(b + 2);
-    for (int p = 0; p < 16 / W; p++)
-      store(scaled + p * W, to_float(widen(reinterpret_cast<const uint8_t*>(u) + p * W)) * load(factor + p * W));
+    for (int p = 0; p < 16 / W; p++) store(scaled + p * W, to_float(widen(scales + p * W)) * load(factor + p * W));
   }
   V part(int i, int p) const {
     const int s = i / 2, at = (i % 2) * 16 + p * W;

@@ -105,6 +105,19 @@ inline float f16_at(const uint8_t* p) {
 #endif
 }
 
+// Q4_K and Q5_K's 8 sub-blocks' 6-bit scales and minima (sc[8] then m[8] in out) from their 12 bytes, 4 at a time
+// (one word each): sc 0-3 are the low 6 bits of bytes 0-3, m 0-3 of bytes 4-7; sc 4-7 the low nibbles of bytes 8-11
+// with the top 2 bits of bytes 0-3 above, m 4-7 their high nibbles with the top 2 bits of bytes 4-7
+inline void scales_mins(const uint8_t* s, uint8_t* out) {
+  uint32_t u[3], words[4];
+  std::memcpy(u, s, 12);
+  const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, low2 = 0x03030303;
+  words[0] = u[0] & low6, words[2] = u[1] & low6;
+  words[1] = (u[2] & low4) | (((u[0] >> 6) & low2) << 4);
+  words[3] = ((u[2] >> 4) & low4) | (((u[1] >> 6) & low2) << 4);
+  std::memcpy(out, words, 16);
+}
+
 // 16 lanes as P native vectors
 struct F16 {
   V p[P];
