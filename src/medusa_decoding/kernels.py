@@ -532,9 +532,10 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         on_blocks = []
-        for module in gguf_linears(model):  # llama.cpp's arithmetic for the K-quants where q8's is asked for
+        gguf = gguf_linears(model)
+        for module in gguf:  # llama.cpp's arithmetic for the K-quants where q8's is asked for
             module.integer = kernels in Q8 and module.kind in (GGML_Q4_K, GGML_Q6_K)
-        for module in native_linears(model) + gguf_linears(model):
+        for module in native_linears(model) + gguf:
             if (found := gguf_codes(module) if "blocks" in module._buffers else block_codes(module.weight)) is not None:
                 if kernels in Q8 and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
                     module.__class__, found = Q8Linear, packed
