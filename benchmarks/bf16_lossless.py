@@ -21,7 +21,7 @@ import torch
 from medusa_decoding import GenerationConfig, MedusaModel
 from medusa_decoding.bench import agreed_prefix, read_questions
 from medusa_decoding.calibrate import device_name, greedy_trees, read_accuracy
-from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.embedded import shipped_heads
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ROOT.parent / "shared" / "data" / "mt_bench_question.jsonl"

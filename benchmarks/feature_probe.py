@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.embedded import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
 from medusa_decoding.base import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations

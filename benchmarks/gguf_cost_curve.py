@@ -30,25 +30,25 @@ PLAIN_TOKENS = 32  # plain decoding's steps timed after the prompt
 
 
 def model_file(name: str, folder: Path) -> Path:
-    from medusa_decoding import default_model
+    from medusa_decoding import embedded
 
     if name == "smollm2":
-        return default_model.gguf_path()
+        return embedded.gguf_path()
     path = folder / f"random-llama-{name}-Q4_K_M.gguf"
     if not path.is_file():
         sys.path.insert(0, str(HERE))
         import random_gguf
 
         print(f"writing {path} ...", file=sys.stderr, flush=True)
-        random_gguf.write(path, name, "Q4_K_M", tokenizer_from=default_model.gguf_path())
+        random_gguf.write(path, name, "Q4_K_M", tokenizer_from=embedded.gguf_path())
     return path
 
 
 def tokens_a_step() -> tuple[list, list[float]]:
     """The shipped heads' calibration: its tree order and tokens a step simulated for each static tree size."""
-    from medusa_decoding import default_model
+    from medusa_decoding import embedded
 
-    record = json.loads((default_model.SHIPPED_HEADS / "accuracy.json").read_text())
+    record = json.loads((embedded.SMOLLM2.heads / "accuracy.json").read_text())
     return record["paths"], dict(zip(record["sizes"], record["simulated_tokens"]))
 
 

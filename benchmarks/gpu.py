@@ -32,7 +32,7 @@ from medusa_decoding import GenerationConfig, MedusaModel
 from medusa_decoding.bench import read_questions
 from medusa_decoding.calibrate import device_name, greedy_trees, measure_step_latency, read_accuracy, synchronize
 from medusa_decoding.config import CalibrateConfig, HeadsConfig
-from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.embedded import shipped_heads
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.model import GenerationOutput
 

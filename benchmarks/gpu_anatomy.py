@@ -20,7 +20,7 @@ from gpu import SMOL_CANDIDATES  # (benchmarks/ is the script's path)
 from medusa_decoding import GenerationConfig, MedusaModel
 from medusa_decoding.bench import read_questions
 from medusa_decoding.calibrate import greedy_trees, read_accuracy
-from medusa_decoding.default_model import shipped_heads
+from medusa_decoding.embedded import shipped_heads
 
 
 def graph_us(function, *args, repeats: int = 200) -> float:

@@ -12,6 +12,7 @@ from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.decoding import Batch
 from medusa_decoding.eager import Eager, prefill, step_forward
 from medusa_decoding import native_layers
+from medusa_decoding.base import sliding_window
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.tree import Tree
@@ -149,10 +150,12 @@ def decode(model, heads: MedusaHeads | None, prompt: torch.Tensor, config: Gener
         yield new, size
 
 
-def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[1, 1, N+1, prefix_len+N+1] additive mask of one row's step: every node sees the prefix and its ancestors."""
+def tree_mask(tree: Tree, prefix_len: int, dtype: torch.dtype, device, window: int | None = None) -> torch.Tensor:
+    """[1, 1, N+1, prefix_len+N+1] additive mask of one row's step: every node sees the prefix and its ancestors (a
+    model's sliding `window`: one mask per kind of layer, cache.step_inputs)."""
     lengths, depths = torch.tensor([prefix_len], device=device), tree.depths[None].to(device)
-    return kv.step_inputs(lengths, depths, tree.attention[None].to(device), prefix_len + tree.num_nodes, dtype)[1]
+    return kv.step_inputs(lengths, depths, tree.attention[None].to(device), prefix_len + tree.num_nodes, dtype,
+                          window)[1]
 
 
 def engine_prefill(model, prompt: torch.Tensor, capacity: int, layers: tuple[int, ...] = ()):
@@ -168,7 +171,7 @@ def verify(model, cache, tokens: torch.Tensor, tree: Tree, prefix_len: int, laye
     """One row's forward pass over all N+1 nodes, as the eager engine runs it -> logits [N+1, V], the heads' input
     states [N+1, (1 + L) H]."""
     positions = (prefix_len + tree.depths.to(tokens.device))[None]
-    mask = tree_mask(tree, prefix_len, model.dtype, tokens.device)
+    mask = tree_mask(tree, prefix_len, model.dtype, tokens.device, sliding_window(model))
     kv.reserve(cache, 1, prefix_len + tree.num_nodes)
     logits, states = step_forward(model, native_layers.weights(model), tokens[None], cache,
                                   torch.tensor([prefix_len], device=tokens.device), positions, mask, layers)

@@ -28,7 +28,8 @@ from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.heads_draft import propose, propose_confident
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import guess_projection
-from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, chat_ids
+from medusa_decoding.conversation import chat_ids
+from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels
 from medusa_decoding.tree import Tree, build
 
 # K=2 heads, S=3 ranks; path probabilities worked out by hand (no ties):

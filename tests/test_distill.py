@@ -2,6 +2,7 @@
 
 import json
 import lzma
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 from medusa_decoding.cli import main
 from medusa_decoding.config import DistillConfig
 from medusa_decoding.model import MedusaModel
-from medusa_decoding.training.data import Prompt, read_prompts
+from medusa_decoding.training.data import IGNORE_INDEX, Prompt, assistant_labels, read_prompts
 from medusa_decoding.training import distill as distill_module
 from medusa_decoding.training.distill import completed_ids, distill
 
@@ -183,3 +184,39 @@ def test_cli_distills_in_bfloat16_when_asked(model, tokenizer, tmp_path, monkeyp
               "--output", str(tmp_path / f"out{len(flag)}.jsonl"), "--limit", "2", *flag])
         assert len(lines(tmp_path / f"out{len(flag)}.jsonl")) == 2
     assert dtypes == [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("template", [False, True], ids=["base-model", "forced-raw"])
+def test_raw_distillation_continues_text_and_trains_on_the_models_own_tokens(model, tmp_path, template):
+    """A base model (no chat template), or --raw: each prompt is continued as raw text, the continuation kept as
+    it came (not stripped), and training reads back the very tokens the model produced after the prompt's; a kill
+    mid-record resumes as a chat run does."""
+    tokenizer = tiny_tokenizer()
+    if not template:
+        tokenizer.chat_template = None
+    medusa = MedusaModel(model, tokenizer, random_heads(model), kernels="auto")
+    raw = replace(GREEDY, raw=template)
+    out = tmp_path / "out.jsonl"
+    assert distill(medusa, PROMPTS[:2], out, raw, progress=False).records == 2
+    with open(out, "a") as file:  # killed while writing the 3rd record
+        file.write(json.dumps({"id": "p2", "conversations": []})[:15])
+    assert distill(medusa, PROMPTS, out, raw, progress=False).records == 3
+    records = {r["id"]: r["conversations"] for r in lines(out)}
+    assert sorted(records) == [p.id for p in PROMPTS]
+    for prompt in PROMPTS:
+        chat = [{"role": "user" if m["from"] == "human" else "assistant", "content": m["value"]}
+                for m in records[prompt.id]]
+        ids = torch.tensor(tokenizer(prompt.turns[0])["input_ids"])
+        expected = greedy_reference(model, ids, GREEDY.max_new_tokens, tokenizer.eos_token_id)
+        expected = [t for t in expected if t not in tokenizer.all_special_ids]  # an answer is text: specials skipped
+        tokens, labels = assistant_labels(tokenizer, chat) if not template else raw_labels(tokenizer, chat)
+        assert tokens[: len(ids)] == ids.tolist() and [t for t in labels if t != IGNORE_INDEX] == expected
+
+
+def raw_labels(tokenizer, chat):
+    """assistant_labels of a chat rendered raw where the tokenizer has a template."""
+    template, tokenizer.chat_template = tokenizer.chat_template, None
+    try:
+        return assistant_labels(tokenizer, chat)
+    finally:
+        tokenizer.chat_template = template

@@ -227,20 +227,20 @@ def test_cli_export_reads_any_layout_and_writes_vllm(tmp_path, base_dir, base, c
 
 def test_cli_export_of_the_embedded_default_writes_its_medusa_heads_and_one_lm_head(tmp_path, capsys, monkeypatch):
     """Nothing runs (no model pass, no tree fit, no kernels): heads and one LM head out, hydra heads refused by name."""
-    from medusa_decoding import default_model
+    from medusa_decoding import embedded
     from medusa_decoding.model import MedusaModel
 
     monkeypatch.setattr(MedusaModel, "__init__", lambda *a, **k: pytest.fail("export built a MedusaModel"))
     main(["export", "--format", "vllm", str(tmp_path / "vllm")])
     written = load_file(str(tmp_path / "vllm" / "model.safetensors"))
-    heads = MedusaHeads.from_pretrained(default_model.MEDUSA_HEADS)
+    heads = MedusaHeads.from_pretrained(embedded.MEDUSA_HEADS)
     assert set(written) == vllm_keys(heads.config.num_heads, heads.config.num_layers, shared=True)
     size = sum(p.stat().st_size for p in (tmp_path / "vllm").iterdir())
     assert size < 1.1 * written["lm_heads.0.weight"].nbytes + sum(p.nbytes for p in heads.state_dict().values())
     assert f"{size / 2**20:.1f} MiB" in capsys.readouterr().out
     with pytest.raises(SystemExit):
-        main(["export", "--format", "vllm", str(tmp_path / "hydra"), "--heads", str(default_model.SHIPPED_HEADS)])
-    assert str(default_model.MEDUSA_HEADS) in capsys.readouterr().err
+        main(["export", "--format", "vllm", str(tmp_path / "hydra"), "--heads", str(embedded.SMOLLM2.heads)])
+    assert str(embedded.MEDUSA_HEADS) in capsys.readouterr().err
 
 
 def write_reference(directory, state) -> None:

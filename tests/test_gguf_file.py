@@ -13,7 +13,7 @@ import gguf_helpers as random_gguf
 from conftest import needs_native
 from engine_helpers import engine_prefill, greedy_reference, random_heads, verify
 
-from medusa_decoding import MedusaModel, default_model, gguf_file
+from medusa_decoding import MedusaModel, embedded, gguf_file
 from medusa_decoding.base import load_base, resolve
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN
@@ -92,10 +92,10 @@ def test_a_tree_pass_on_a_gguf_models_blocks_gives_every_node_the_bits_of_one_to
 
 def test_the_embedded_defaults_file_given_as_a_path_is_the_default(smollm, tmp_path):
     copy = tmp_path / "my-model.gguf"
-    copy.symlink_to(default_model.gguf_path())
+    copy.symlink_to(embedded.gguf_path())
     medusa = MedusaModel.from_pretrained(copy, kernels=EXACT_KERNELS)
     assert medusa.model.name_or_path == smollm.model.name_or_path
-    assert medusa.heads_dir == smollm.heads_dir == default_model.SHIPPED_HEADS  # its shipped heads, by content
+    assert medusa.heads_dir == smollm.heads_dir == embedded.SMOLLM2.heads  # its shipped heads, by content
     config = GenerationConfig(max_new_tokens=16)
     assert medusa.generate("Name three colours.", config=config).token_ids == \
         smollm.generate("Name three colours.", config=config).token_ids

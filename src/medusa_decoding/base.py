@@ -1,4 +1,4 @@
-"""The base model: loaded from a GGUF file, a directory, the hub or the embedded default, with a MEDUSA-2 adapter
+"""The base model: loaded from a GGUF file, a directory, the hub or an embedded model, with a MEDUSA-2 adapter
 merged in, the tokens that end its answers and the context it attends over. `model` (decoding) and `training` both
 start here."""
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from . import default_model, gguf_file
+from . import embedded, gguf_file
 
 
 def eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
@@ -36,11 +36,11 @@ def with_adapter(base: PreTrainedModel, adapter: Path) -> PreTrainedModel:
 
 
 def resolve(model: str | os.PathLike | None) -> Path | str:
-    """Where a model argument loads from: None, the embedded default's conversion; a GGUF file, its conversion
-    (gguf_file.py); a directory as it is; else a hub id. A ValueError or FileNotFoundError in one line for a path
-    that is none of these."""
-    if model is None:
-        return default_model.converted_dir()
+    """Where a model argument loads from: None or an embedded model's name, its conversion (embedded.py); a GGUF file,
+    its conversion (gguf_file.py); a directory as it is; else a hub id. A ValueError or FileNotFoundError in one line
+    for a path that is none of these."""
+    if model is None or str(model) in embedded.MODELS:
+        return embedded.converted_dir(embedded.MODELS.get(str(model), embedded.DEFAULT))
     path = Path(model).expanduser()
     if path.is_file():
         if not gguf_file.is_gguf(path):
@@ -57,16 +57,18 @@ def resolve(model: str | os.PathLike | None) -> Path | str:
 
 
 def gguf_of(model: str | os.PathLike | None) -> Path | None:
-    """The GGUF file a model argument names (None: the embedded default's), or None: a directory or hub id."""
-    if model is None:
-        return default_model.gguf_path()
+    """The GGUF file a model argument names (None: the embedded default's; an embedded model's name), or None: a
+    directory or hub id."""
+    if model is None or str(model) in embedded.MODELS:
+        return embedded.gguf_path(embedded.MODELS.get(str(model), embedded.DEFAULT))
     path = Path(model).expanduser()
     return path if path.is_file() and gguf_file.is_gguf(path) else None
 
 
 def load_base(model, dtype=None, device=None, blocks: bool = False, **load_kwargs
               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """A base model and tokenizer from a GGUF file, a directory or hub id; None: the embedded default.
+    """A base model and tokenizer from a GGUF file, an embedded model's name, a directory or hub id; None: the
+    embedded default.
 
     blocks: a GGUF file's model on its blocks, read from the file (gguf_file.load: the native kernels, on a CPU in
         float32), else with float32 weights (a GGUF file converted once: resolve).
@@ -83,11 +85,19 @@ def load_base(model, dtype=None, device=None, blocks: bool = False, **load_kwarg
     return base.to(device) if device is not None else base, tokenizer
 
 
-def context_limit(model: PreTrainedModel) -> int:
-    """The longest sequence the model attends over correctly (sliding windows are not emulated)."""
+def sliding_window(model: PreTrainedModel) -> int | None:
+    """The window of a model whose kinds of layer (`layer_types`: Gemma 3, Qwen2 ...) include sliding-window ones,
+    which the engines emulate in their masks (cache.step_inputs), at any context; else None."""
     config = model.config.get_text_config()
-    limits = [getattr(config, "max_position_embeddings", None), getattr(config, "sliding_window", None)]
-    return min(int(n) for n in limits if n)
+    return config.sliding_window if "sliding_attention" in (getattr(config, "layer_types", None) or ()) else None
+
+
+def context_limit(model: PreTrainedModel) -> int:
+    """The longest sequence the model attends over correctly: a window not emulated (a Mistral's, every layer's, with
+    no `layer_types`) caps it."""
+    config = model.config.get_text_config()
+    window = None if sliding_window(model) else getattr(config, "sliding_window", None)
+    return min(int(n) for n in (getattr(config, "max_position_embeddings", None), window) if n)
 
 
 def check_context(model: PreTrainedModel, prompt_len: int, max_new_tokens: int) -> None:

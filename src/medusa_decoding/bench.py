@@ -201,8 +201,10 @@ def answer_turn(medusa: MedusaModel, ids: torch.Tensor, config: GenerationConfig
 
 def benchmark(medusa: MedusaModel, questions: list[Question], config: GenerationConfig, progress: bool = True,
               accuracy: torch.Tensor | None = None, sweep: tuple[int, ...] = (), llama=None, repeat: int = 1,
-              rivals: dict[str, MedusaModel] | None = None) -> dict:
+              rivals: dict[str, MedusaModel] | None = None, raw: bool = False) -> dict:
     """Runs every turn with each decoder, `repeat` times (the fastest run counts); returns the report (see `report`).
+
+    raw: the turns as raw text (conversation.py), where the model has a chat template too.
 
     rivals: {name: MEDUSA with other heads or another tree on the same model (MedusaModel.with_heads)}: decoders of
     their own (hydra heads against MEDUSA heads, confidence-driven trees against fixed ones), side by side.
@@ -225,7 +227,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
     if repeat < 1 or repeat > 1 and config.temperature > 0 and config.seed is None:
         raise ValueError(f"repeat: a positive number of runs that give the same tokens (greedy, or sampling with a "
                          f"seed), got {repeat} at temperature {config.temperature} with no seed")
-    warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}])
+    warmup = medusa.encode(messages=[{"role": "user", "content": questions[0].turns[0]}], raw=raw)
     answer_turn(medusa, warmup, replace(config, max_new_tokens=WARMUP_TOKENS), 0, llama, rivals=rivals)
     swept = [medusa.with_heads(medusa.heads, tree) for tree in greedy_trees(accuracy, sweep)] if sweep else []
     # the compiled engine compiles a tree size on its first step: never on the clock (nor a tree the guard picks later)
@@ -240,7 +242,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
         history = []
         for number, text in enumerate(question.turns):
             history.append({"role": "user", "content": text})
-            ids = medusa.encode(messages=history)
+            ids = medusa.encode(messages=history, raw=raw)
             outputs = answer_turn(medusa, ids, config, len(turns), llama, repeat, rivals)
             turns.append((question, number, len(ids), outputs))
             for view, outs in zip(swept, sweep_outputs):

@@ -191,18 +191,32 @@ def attend(cache: Cache, needed: int) -> int:
     return window
 
 
-def step_inputs(lengths: torch.Tensor, depths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def step_inputs(lengths: torch.Tensor, depths: torch.Tensor, attention: torch.Tensor, columns: int, dtype: torch.dtype,
+                window: int | None = None) -> tuple[torch.Tensor, torch.Tensor | dict[str, torch.Tensor]]:
     """A step's position ids [B, T] and additive mask [B, 1, T, columns], for rows of lengths[b] entries whose T nodes
     (of depths [B, T]) go to columns lengths[b].. (`place`): a node sits at its row's length plus its depth, and sees
     its row's own entries and the step's nodes that attention [B, T, T] lets it (itself and its ancestors:
-    tree.padded), never the hole past a shorter row nor a column not yet written. Both engines build them here."""
+    tree.padded), never the hole past a shorter row nor a column not yet written. Both engines build them here.
+    window: a model's sliding window (base.sliding_window): the mask is then one per kind of layer, as `transformers`
+    takes them, the sliding layers' seeing only entries less than `window` positions before the node."""
     nodes = attention.shape[-1]
-    offset = torch.arange(columns, device=lengths.device) - lengths[:, None]  # [B, S]: the column's node, if >= 0
-    ours = attention.gather(2, offset.clamp(0, nodes - 1)[:, None, :].expand(-1, nodes, -1))  # [B, T, S]
+    index = torch.arange(columns, device=lengths.device)
+    offset = index - lengths[:, None]  # [B, S]: the column's node, if >= 0
+    node = offset.clamp(0, nodes - 1)
+    ours = attention.gather(2, node[:, None, :].expand(-1, nodes, -1))  # [B, T, S]
     seen = (offset < 0)[:, None] | (ours & (offset < nodes)[:, None])
+    positions = lengths[:, None] + depths
+    if window is None:
+        return positions, additive(seen, dtype)
+    at = torch.where(offset < 0, index, lengths[:, None] + depths.gather(1, node))  # [B, S]: each column's position
+    near = seen & (at[:, None, :] > positions[:, :, None] - window)
+    return positions, {"full_attention": additive(seen, dtype), "sliding_attention": additive(near, dtype)}
+
+
+def additive(seen: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """seen [B, T, S] -> the additive mask [B, 1, T, S]: 0 where seen, the dtype's least value elsewhere."""
     mask = torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, torch.finfo(dtype).min)
-    return lengths[:, None] + depths, mask[:, None]
+    return mask[:, None]
 
 
 def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> None:

@@ -34,10 +34,11 @@ class Session:
                 f"acceleration {rate:.2f} tokens/pass, {speed:.1f} tokens/s")
 
 
-def answer(medusa: MedusaModel, session: Session, config: GenerationConfig, out: TextIO) -> str:
-    """Streams the reply to the history; counts its tokens, forward passes and time into the session."""
+def answer(medusa: MedusaModel, session: Session, config: GenerationConfig, out: TextIO, raw: bool = False) -> str:
+    """Streams the reply to the history (raw: as raw text, conversation.py); counts its tokens, forward passes and
+    time into the session."""
     start, reply, pieces = time.perf_counter(), "", TextPieces(config.stop)
-    for step in medusa.steps(messages=session.messages, config=config):
+    for step in medusa.steps(messages=session.messages, raw=raw, config=config):
         session.tokens += len(step.tokens)
         session.forward_passes += 1
         piece = pieces.add(step.text, step.done)
@@ -48,7 +49,7 @@ def answer(medusa: MedusaModel, session: Session, config: GenerationConfig, out:
     return reply
 
 
-def chat(medusa: MedusaModel, config: GenerationConfig, out: TextIO = sys.stdout) -> Session:
+def chat(medusa: MedusaModel, config: GenerationConfig, out: TextIO = sys.stdout, raw: bool = False) -> Session:
     """The read-answer loop; returns the session when the user leaves (/exit, Ctrl-D, Ctrl-C)."""
     import readline  # noqa: F401  line editing and history for input()
 
@@ -68,7 +69,7 @@ def chat(medusa: MedusaModel, config: GenerationConfig, out: TextIO = sys.stdout
                 session.messages.append({"role": "user", "content": line})
                 out.write(ASSISTANT_PROMPT)
                 try:
-                    reply = answer(medusa, session, config, out)
+                    reply = answer(medusa, session, config, out, raw)
                 except ValueError as error:  # e.g. the history outgrew the context: drop this turn
                     session.messages.pop()
                     out.write(f"\nerror: {error} (/reset starts over)\n")

@@ -13,6 +13,7 @@ from .config import (HEAD_KINDS, HEAD_TARGETS, LM_LOSSES, PROJECTIONS, QUANTIZAT
                      DistillConfig, TrainConfig)
 from .corpus import MIN_SEEN as CORPUS_MIN_SEEN
 from .kernels import KERNELS
+from .embedded import MODELS as EMBEDDED
 
 ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
 DEFAULTS = GenerationConfig()
@@ -22,11 +23,14 @@ DISTILL = DistillConfig()
 TRAIN = TrainConfig()
 CALIBRATE = CalibrateConfig()
 DTYPES = ("auto", "float32", "bfloat16")
+MODEL_HELP = (f"base model: a GGUF file, an embedded model ({', '.join(EMBEDDED)}), a directory or hub id (default: "
+              f"{next(iter(EMBEDDED))})")
+RAW_HELP = "prompts as raw text, not through the chat template (the default where the model has none: a base model)"
 DATA_HELP = "conversations: ShareGPT-style JSON/JSONL files, e.g. medusa distill's (several are read in order)"
 
 
 def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, kernels: bool = True) -> None:
-    parser.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--model", help=MODEL_HELP)
     if heads:
         parser.add_argument("--heads", help="MEDUSA heads directory (default: shipped heads, else untrained)")
         parser.add_argument("--tree", default="auto", help="tree: JSON path list, Cartesian sizes, a JSON file, or auto "
@@ -185,14 +189,14 @@ def cmd_demo(args) -> None:
 def cmd_export(args) -> None:
     """Nothing runs: the heads from their files (any layout), the base model only for its LM head and vocabulary. The
     embedded default's MEDUSA heads unless --heads names others (its default hydra heads have no such layout)."""
-    from . import default_model
+    from . import embedded
     from .base import load_base
     from .formats import export
     from .heads import MedusaHeads
 
     if args.heads is None and args.model is not None:
         raise ValueError("export: give --heads (only the embedded default ships trained heads)")
-    heads_dir = args.heads or default_model.MEDUSA_HEADS
+    heads_dir = args.heads or embedded.MEDUSA_HEADS
     start = time.perf_counter()
     base, _ = load_base(args.model)
     lm_head = base.get_output_embeddings()
@@ -209,7 +213,7 @@ def cmd_chat(args) -> None:
     from .chat import chat
 
     try:
-        chat(load(args), generation_config(args))
+        chat(load(args), generation_config(args), raw=args.raw)
     except KeyboardInterrupt:  # Ctrl-C while the model loads: leave as quietly as chat() does
         print()
 
@@ -234,7 +238,7 @@ def cmd_distill(args) -> None:
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"limit must be a positive integer, got {args.limit!r}")
     config = DistillConfig(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                           batch_size=args.batch_size, seed=args.seed)
+                           batch_size=args.batch_size, seed=args.seed, raw=args.raw)
     prompts = read_prompts(args.input)[: args.limit]
     stats = distill(load(args), prompts, args.output, config)
     skipped = f", {stats.skipped} skipped (past the context)" if stats.skipped else ""
@@ -245,8 +249,8 @@ def cmd_distill(args) -> None:
 def cmd_bench(args) -> None:
     import torch
 
-    from . import default_model, llamacpp
-    from .base import context_limit
+    from . import llamacpp
+    from .base import context_limit, gguf_of
     from .bench import benchmark, plot, read_questions, table
     from .calibrate import read_accuracy
 
@@ -266,10 +270,10 @@ def cmd_bench(args) -> None:
     specs = rival_specs(args.rival)
     if args.llama_cpp is not None:
         llamacpp.require()
-        if not args.llama_cpp and args.model and Path(args.model).suffix != ".gguf":
+        if not args.llama_cpp and gguf_of(args.model) is None:
             raise ValueError("--llama-cpp: give the GGUF file of --model (it is not one)")
     medusa = load(args)
-    gguf = args.llama_cpp or args.model or default_model.gguf_path()
+    gguf = args.llama_cpp or gguf_of(args.model)
     llama = None if args.llama_cpp is None else llamacpp.load(gguf, torch.get_num_threads(), context_limit(medusa.model))
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
@@ -277,7 +281,7 @@ def cmd_bench(args) -> None:
     rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree, compiled)
               for name, heads, tree, compiled in specs}
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
-                       llama=llama, repeat=args.repeat, rivals=rivals)
+                       llama=llama, repeat=args.repeat, rivals=rivals, raw=args.raw)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
                             categories=categories, limit=args.limit, per_category=args.per_category,
                             heads_trained=heads_trained(medusa.heads), kind=medusa.heads.config.kind)
@@ -470,7 +474,7 @@ def main(argv=None) -> None:
 
     p = sub.add_parser("generate", help="generate text for one prompt")
     p.add_argument("--prompt", required=True)
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--raw", action="store_true", help=RAW_HELP)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_model_arguments(p)
     add_sampling_arguments(p)
@@ -484,11 +488,12 @@ def main(argv=None) -> None:
     p = sub.add_parser("export", help="write heads (any layout) in vLLM's or the reference MEDUSA layout")
     p.add_argument("out", help="output directory")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
-    p.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--heads", help="heads directory, any layout (default: the embedded default's MEDUSA heads)")
     p.set_defaults(run=cmd_export)
 
     p = sub.add_parser("chat", help="multi-turn chat in the terminal: /reset, /stats, /exit")
+    p.add_argument("--raw", action="store_true", help=RAW_HELP)
     add_model_arguments(p)
     add_sampling_arguments(p)
     p.set_defaults(run=cmd_chat)
@@ -517,13 +522,14 @@ def main(argv=None) -> None:
     p.add_argument("--batch-size", type=int, default=DISTILL.batch_size, help="turns decoded together")
     p.add_argument("--limit", type=int, help="only the first N input records")
     p.add_argument("--seed", type=int, default=DISTILL.seed)
+    p.add_argument("--raw", action="store_true", help=RAW_HELP)
     p.set_defaults(run=cmd_distill, heads=None, tree=None)
 
     p = sub.add_parser("corpus", help="index the model's own answers beside the heads: its corpus drafts (corpus.py)")
     p.add_argument("--data", required=True, nargs="+", help=DATA_HELP + "; the answers the model gave (never a "
                    "benchmark's)")
     p.add_argument("--heads", required=True, help="MEDUSA heads directory: the index goes beside them")
-    p.add_argument("--model", help="base model: a GGUF file, a directory or hub id (default: embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--model", help=MODEL_HELP)
     p.add_argument("--min-seen", type=int, default=CORPUS_MIN_SEEN, help="keep contexts seen at least this often")
     p.set_defaults(run=cmd_corpus)
 
@@ -535,6 +541,7 @@ def main(argv=None) -> None:
     p.set_defaults(run=cmd_train)
 
     p = sub.add_parser("bench", help="MT-Bench-style benchmark: MEDUSA vs plain decoding vs transformers generate")
+    p.add_argument("--raw", action="store_true", help=RAW_HELP)
     p.add_argument("--questions", required=True, nargs="+",
                    help="JSONL files: {question_id, category, turns: [...]} per line (several are read in order)")
     add_model_arguments(p)

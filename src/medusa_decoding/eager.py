@@ -12,6 +12,7 @@ from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from . import native_layers
+from .base import sliding_window
 from .heads import MedusaHeads, run_backbone
 from .proposal import candidates
 
@@ -63,6 +64,7 @@ class Eager:
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
         self.model, self.layers = model, heads.config.feature_layers if heads is not None else ()
         self.native = native_layers.weights(model)  # None: transformers' forward runs the steps
+        self.window = sliding_window(model)
 
     def cache(self, batch) -> Cache:
         return kv.allocate(self.model, 0, dtype=native_layers.CACHE if self.native is not None else None)
@@ -87,7 +89,8 @@ class Eager:
         kv.reserve(cache, rows, columns)
         kv.place(cache, packed.lengths, nodes)
         depths, _, attention, _ = packed.trees
-        positions, mask = kv.step_inputs(packed.on_device, depths, attention, columns, self.model.dtype)
+        positions, mask = kv.step_inputs(packed.on_device, depths, attention, columns, self.model.dtype,
+                                           self.window)
         logits, states = step_forward(self.model, self.native, packed.tokens, cache, packed.on_device, positions, mask,
                                       self.layers)
         return logits, states, None

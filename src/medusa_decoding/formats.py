@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from .config import EXPORT_FORMATS, HeadsConfig
-from .default_model import MEDUSA_HEADS
+from .embedded import MEDUSA_HEADS
 
 # the files this project writes, one name each
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"  # heads (MedusaHeads.save_pretrained)

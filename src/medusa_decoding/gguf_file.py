@@ -24,7 +24,7 @@ from .config import cache_root
 MAGIC = b"GGUF"
 # the architectures this engine runs from a GGUF file (transformers reads more: it would convert them, but the engine
 # has not been tested on them)
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 # the tensor types read: float ones and the blocks of Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and Q6_K, which files
 # made as Q4_0 ... Q8_0, Q4_K_M, Q5_K_M and Q6_K hold
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
@@ -257,7 +257,8 @@ def load(path: Path):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.generation_config = GenerationConfig.from_pretrained(directory)
     data = mapped(path)
-    names = gguf_names(model, metadata["general.architecture"])
+    architecture = metadata["general.architecture"]
+    names = gguf_names(model, architecture)
     text = config.get_text_config()
     for module_name, module in model.named_modules():
         for name, parameter in list(module.named_parameters(recurse=False)):
@@ -270,10 +271,12 @@ def load(path: Path):
             if tensor.shape != tuple(parameter.shape):
                 raise ValueError(f"model: {path}: tensor {key} is {list(tensor.shape)}, but the file's config makes "
                                  f"{module_name}.{name} {list(parameter.shape)} (corrupt?)")
-            rows = permutation(key, tensor.shape[0], text) if metadata["general.architecture"] == "llama" else None
+            rows = permutation(key, tensor.shape[0], text) if architecture == "llama" else None
             raw = data[tensor.offset:tensor.offset + tensor.nbytes]
             if tensor.kind in FLOAT_TYPES:
                 values = raw.view(FLOAT_TYPES[tensor.kind]).reshape(tensor.shape).float()
+                if architecture == "gemma3" and key.endswith("norm.weight"):
+                    values = values - 1  # llama.cpp stores Gemma's (1 + w) RMSNorm weights as 1 + w
                 setattr(module, name, torch.nn.Parameter(values if rows is None else values[rows], requires_grad=False))
                 continue
             blocks = raw.view(tensor.shape[0], -1)
@@ -313,13 +316,14 @@ def permutation(key: str, rows: int, config) -> torch.Tensor | None:
 
 class GgufEmbedding(torch.nn.Embedding):
     """An embedding whose rows are a GGUF file's blocks (`blocks`, `kind`, as a GGUF NativeLinear's): a token's row is
-    decoded when it is looked up (medusa::dequantize_gguf: bitwise the `gguf` package's values); `weight` a
-    placeholder."""
+    decoded when it is looked up (medusa::dequantize_gguf: bitwise the `gguf` package's values), and scaled as the
+    module it replaced scaled it (Gemma's `embed_scale`, sqrt(hidden)); `weight` a placeholder."""
 
     kind: int = 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         from .kernels import OPS
 
-        rows = OPS.dequantize_gguf(self._buffers["blocks"][ids.reshape(-1)], self.kind)
-        return rows.view(*ids.shape, rows.shape[-1])
+        rows = OPS.dequantize_gguf(self._buffers["blocks"][ids.reshape(-1)], self.kind).view(*ids.shape, -1)
+        scale = self._buffers.get("embed_scale")
+        return rows if scale is None else rows * scale.to(rows.dtype)

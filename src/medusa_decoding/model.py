@@ -17,10 +17,11 @@ from typing import NamedTuple
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from . import default_model, formats
+from . import embedded, formats
 from .base import eos_ids, load_base, with_adapter
 from .calibrate import auto_tree, choose_kernels, confident_yield, read_accuracy
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
+from .conversation import chat_ids, is_raw
 from .corpus import CorpusIndex
 from .decoding import Batch, Row
 from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
@@ -131,8 +132,8 @@ class MedusaModel:
         device: str | torch.device | None = None,
         kernels: str = "auto",
     ) -> "MedusaModel":
-        """Base model (a GGUF file, a directory or hub id; None: the embedded default) plus heads (directory; None:
-        the heads shipped for the model, the embedded default's, else untrained). A MEDUSA-2 training output may
+        """Base model (a GGUF file, an embedded model's name, a directory or hub id; None: the embedded default) plus
+        heads (directory; None: the heads shipped for the model, an embedded one's, else untrained). A MEDUSA-2 training output may
         stand for both.
 
         tree: any form tree.parse_tree takes: a Tree, a path list, Cartesian sizes (or either as JSON text or a JSON
@@ -161,7 +162,7 @@ class MedusaModel:
         blocks = kernels != "stock" and cpu_float32(device, dtype) and native_available()
         base, tokenizer = load_base(model, dtype, device, blocks=blocks)
         if heads is None:
-            heads = default_model.shipped_heads(base.name_or_path)  # the embedded default's, by name or as a file
+            heads = embedded.shipped_heads(base.name_or_path)  # an embedded model's, by name or as a file
         if heads is None and model is not None and formats.holds_medusa2_heads(model):
             heads = model  # a MEDUSA-2 directory: the fine-tuned backbone and its heads in the same shards
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
@@ -237,15 +238,16 @@ class MedusaModel:
         (Path(directory) / TREE_NAME).write_text(json.dumps([list(p) for p in self.tree.paths]) + "\n")
 
     def encode(self, prompt=None, *, messages=None, raw: bool = False) -> torch.Tensor:
-        """A prompt string (chat-templated unless raw), chat messages, or token ids -> ids [T]."""
-        if messages is None and isinstance(prompt, str) and not raw and self.tokenizer.chat_template:
+        """A prompt string (chat-templated unless raw or the model has no template), chat messages (raw: as raw text,
+        conversation.chat_ids), or token ids -> ids [T]."""
+        if messages is None and isinstance(prompt, str) and not is_raw(self.tokenizer, raw):
             messages = [{"role": "user", "content": prompt}]
         if messages is not None:
             if not messages or not any(str(m.get("content", "")).strip() for m in messages):
                 raise ValueError("the prompt is empty: messages hold no content")
             for m in messages:
                 check_text(str(m.get("content", "")))
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+            ids = chat_ids(self.tokenizer, messages, generation_prompt=True, raw=raw)
         elif isinstance(prompt, str):
             if not prompt:
                 raise ValueError("the prompt is empty: nothing to continue")

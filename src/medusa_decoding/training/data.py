@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from ..conversation import chat_ids
+
 IGNORE_INDEX = -100  # the label of a token not trained on (cross_entropy's ignore_index default)
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "system": "system"}
@@ -102,10 +104,6 @@ def read_conversations(path: str | Path) -> list[list[dict]]:
     if not conversations:
         raise ValueError(f"{path}: no conversations")
     return conversations
-
-
-def chat_ids(tokenizer, chat: list[dict], generation_prompt: bool = False) -> list[int]:
-    return list(tokenizer.apply_chat_template(chat, add_generation_prompt=generation_prompt, return_dict=False))
 
 
 def assistant_labels(tokenizer, chat: list[dict]) -> tuple[list[int], list[int]]:

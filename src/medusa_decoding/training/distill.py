@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..config import DistillConfig, GenerationConfig
+from ..conversation import is_raw
 from ..model import MedusaModel, Requests, admit
 from .data import Prompt
 
@@ -103,7 +104,7 @@ def distill(medusa: MedusaModel, prompts: list[Prompt], output: str | Path, conf
                 turn_config = GenerationConfig(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                                seed=turn_seed(config.seed, todo[n].id, turn), medusa=False, lookup=0)
                 try:
-                    events += requests.add(n, medusa.encode(messages=chat), turn_config)
+                    events += requests.add(n, medusa.encode(messages=chat, raw=config.raw), turn_config)
                 except ValueError:  # past the context: the conversation ends before this turn
                     finish(n)
                     continue
@@ -112,7 +113,8 @@ def distill(medusa: MedusaModel, prompts: list[Prompt], output: str | Path, conf
                 stats.tokens += len(step.tokens)
                 if not step.done:
                     continue
-                chats[n].append({"role": "assistant", "content": step.text.strip()})
+                text = step.text if is_raw(medusa.tokenizer, config.raw) else step.text.strip()  # raw: continues
+                chats[n].append({"role": "assistant", "content": text})
                 if len(chats[n]) // 2 < len(todo[n].turns):  # its next turn first: what is done is written
                     waiting.appendleft(n)
                 else:
