@@ -32,7 +32,7 @@ from .decoding import Batch
 from .heads_draft import propose, propose_confident
 from .config import cache_root
 from .guard import Guard, Ladder, first_sizes, interpolate, yields
-from .kernels import (block_codes, code_digest, cpu_variants, gguf_codes, guess_projection, reads_blocks,
+from .kernels import (Q8_KINDS, block_codes, code_digest, cpu_variants, guess_projection, reads_blocks,
                       reset_kernels, set_guess_vocab, variant)
 from .formats import CALIBRATION_NAME, TREE_NAME
 from .training import positions
@@ -386,16 +386,16 @@ ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled"
 
 
 def choose_kernels(model, heads, medusa_on, config: CalibrateConfig = DEFAULTS) -> str:
-    """kernels="auto" on a CPU in float32: of stock (where the model has float32 weights), native and (where the
-    weights are Q4_1 or Q8_0 blocks) q8, the kernels whose plain step and 3-candidate step take least time together
+    """kernels="auto" on a CPU in float32: of stock (where the model has float32 weights), native and (where some
+    weights are blocks q8 reads: Q4_1 or Q8_0, or a GGUF file's Q4_K or Q6_K) q8, the kernels whose plain step and 3-candidate step take least time together
     on this machine, timed side by side on `model` itself (switched in turn, then back), once per setup: cached under
     cache_root()/kernels, keyed like the tree fits. Never slower than stock where stock is one of those timed. Says
     what it picked, and why, in one line.
     medusa_on(kernels): the MedusaModel of `model` and `heads` on those kernels."""
-    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
-    gguf = "blocks" in linear._buffers  # a model read at its GGUF file's bytes: no float32 weights for stock kernels
-    blocks = gguf_codes(linear) if gguf else block_codes(linear.weight)
-    candidates = ([] if gguf else ["stock"]) + ["native"] + (["q8"] if blocks is not None else [])
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    gguf = "blocks" in linears[0]._buffers  # a model read at its GGUF file's bytes: no float32 weights for stock
+    q8 = any(m.kind in Q8_KINDS for m in linears) if gguf else block_codes(linears[0].weight) is not None
+    candidates = ([] if gguf else ["stock"]) + ["native"] + (["q8"] if q8 else [])
     what = [device_name(model.device), str(model.dtype), model.name_or_path, model.config.to_diff_dict(),
             code_digest(), torch.__version__, candidates]
     key = hashlib.sha256(json.dumps(what, default=str).encode()).hexdigest()[:24]

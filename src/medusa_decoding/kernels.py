@@ -77,6 +77,7 @@ GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go thr
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (gguf_file.BLOCK_TYPES)
 GGML_Q4_K, GGML_Q6_K = 12, 14  # and of those medusa::linear_k reads with 8-bit activations
+Q8_KINDS = (GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K)  # the GGUF types q8 kernels read with 8-bit activations
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
 # (F16C, which widens a float16 cache, came with AVX2 on every CPU that has it)
 VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -150,6 +151,13 @@ def build_variant(isa: str) -> str | None:
     torch.library.register_fake(f"{namespace}::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
     torch.library.register_fake(f"{namespace}::attention")(
         lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
+    from .gguf_file import BLOCK_TYPES, TYPE_NAMES  # here: gguf_file loads models through this module
+
+    def dequantized(blocks: torch.Tensor, kind: int) -> torch.Tensor:
+        _, weights, nbytes = BLOCK_TYPES[TYPE_NAMES[kind]]
+        return blocks.new_empty(blocks.shape[0], blocks.shape[1] // nbytes * weights, dtype=torch.float32)
+
+    torch.library.register_fake(f"{namespace}::dequantize_gguf")(dequantized)
     return None
 
 

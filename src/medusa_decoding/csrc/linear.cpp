@@ -596,8 +596,8 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
   for (int64_t b = 0; b < blocks; b++, c += VECTORS * 64, s += 2 * ROWS) {
     // the codes stream from memory: over several tokens a block takes long enough that the hardware prefetcher falls
     // behind (past the last group these read beyond the codes: a prefetch never faults)
-    for (int v = 0; v < VECTORS; v++) __builtin_prefetch(c + AHEAD * VECTORS * 64 + 64 * v, 0, 0);
-    __builtin_prefetch(s + AHEAD * 2 * ROWS, 0, 0);
+    for (int v = 0; v < VECTORS; v++) __builtin_prefetch(c + AHEAD * VECTORS * 64 + 64 * v, 0, 3);
+    __builtin_prefetch(s + AHEAD * 2 * ROWS, 0, 3);
     I sums[MT][H];
     // code vector j: its bytes (Q8_0) or low nibbles (Q4_1) weights 4j .. 4j + 3 of each row, Q4_1's high nibbles
     // weights 16 + 4j .. 16 + 4j + 3. Unrolled whole, each part loading its codes again (from L1: no register holds
