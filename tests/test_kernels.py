@@ -288,6 +288,29 @@ def test_gguf_blocks_of_every_type_give_the_gguf_packages_weights_on_every_varia
                        for m in range(0, rows, 4))
 
 
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q8_0"])
+def test_gguf_codes_decode_to_the_gguf_packages_weights(qtype):
+    """The codes q8 kernels read from a GGUF linear's blocks (Q4_0 and Q5_0 as Q8_0's signed codes): code * d + m is
+    bitwise the `gguf` package's weight, each product exact."""
+    from gguf import GGMLQuantizationType, quants
+
+    kind = GGMLQuantizationType[qtype]
+    raw = random_blocks(np.random.default_rng(int(kind)), 37, 512, qtype)
+    linear = torch.nn.Linear(512, 37, bias=False)
+    linear.register_buffer("blocks", torch.from_numpy(raw))
+    linear.kind = int(kind)
+    assert (kernels.gguf_codes(linear) is None) == (qtype in ("Q4_0", "Q5_0"))  # float kernels: their own blocks
+    codes, scales = kernels.gguf_codes(linear, signed=True)
+    d, m = scales.reshape(37, 16, 1, 2).unbind(-1)
+    bits = 4 if qtype == "Q4_1" else 8
+    if bits == 4:  # byte j: weight j's code in the low nibble, weight j + 16's in the high one
+        codes = codes.reshape(37, 16, 16)
+        codes = torch.cat([codes & 15, codes >> 4], -1)
+    weight = (codes.reshape(37, 16, 32).double() * d.double() + m.double()).float().reshape(37, 512)
+    assert torch.equal(weight, torch.from_numpy(quants.dequantize(raw, kind)))
+    assert kernels.q8_pack(*kernels.gguf_codes(linear, signed=True)) is not None  # float16 scales: q8 reads them
+
+
 def q8k_reference(x: torch.Tensor, raw: np.ndarray, qtype: str) -> torch.Tensor:
     """linear_k's arithmetic in float64, written from llama.cpp's: x per 256 to Q8_K (codes min(127, round(-127 / max
     * x)), max the value of largest magnitude, ties to even; d = 1 / (-127 / max)), each weight as the integers and

@@ -76,8 +76,9 @@ HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
 GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (gguf_file.BLOCK_TYPES)
+GGML_Q4_0, GGML_Q5_0 = 2, 6  # and of those q8 kernels read as Q8_0's codes (gguf_codes)
 GGML_Q4_K, GGML_Q6_K = 12, 14  # and of those medusa::linear_k reads with 8-bit activations
-Q8_KINDS = (GGML_Q4_1, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K)  # the GGUF types q8 kernels read with 8-bit activations
+Q8_KINDS = (GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K)  # q8 kernels' GGUF types
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
 # (F16C, which widens a float16 cache, came with AVX2 on every CPU that has it)
 VARIANTS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -544,7 +545,8 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
         for module in gguf:  # llama.cpp's arithmetic for the K-quants where q8's is asked for
             module.integer = kernels in Q8 and module.kind in (GGML_Q4_K, GGML_Q6_K)
         for module in native_linears(model) + gguf:
-            if (found := gguf_codes(module) if "blocks" in module._buffers else block_codes(module.weight)) is not None:
+            on_file = "blocks" in module._buffers
+            if (found := gguf_codes(module, kernels in Q8) if on_file else block_codes(module.weight)) is not None:
                 if kernels in Q8 and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
                     module.__class__, found = Q8Linear, packed
                 module.register_buffer("codes", found[0], persistent=False)
@@ -600,19 +602,28 @@ def gguf_linears(module: nn.Module) -> list[NativeLinear]:
     return [m for m in module.modules() if isinstance(m, NativeLinear) and "blocks" in m._buffers]
 
 
-def gguf_codes(linear: NativeLinear) -> tuple[torch.Tensor, torch.Tensor] | None:
+def gguf_codes(linear: NativeLinear, signed: bool = False) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A GGUF linear's Q4_1 or Q8_0 blocks as block_codes gives them (codes, scales: d and m), read from the blocks
-    themselves rather than found in float weights; None for other types."""
+    themselves rather than found in float weights; `signed`, Q4_0's and Q5_0's too, as Q8_0's (their signed codes q
+    as q + 128, m = -128 d: llama.cpp's integer sums of q times the activations, on q8 kernels); None for other
+    types."""
     blocks, kind = linear._buffers["blocks"], linear.kind
-    if kind not in (GGML_Q4_1, GGML_Q8_0):
+    if kind not in (GGML_Q4_1, GGML_Q8_0) + ((GGML_Q4_0, GGML_Q5_0) if signed else ()):
         return None
     rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, 20 if kind == GGML_Q4_1 else 34)
+    blocks = blocks.reshape(rows, -1, {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q5_0: 22, GGML_Q8_0: 34}[kind])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if kind == GGML_Q4_1:
         m, codes = blocks[..., 2:4].contiguous().view(torch.float16).float(), blocks[..., 4:]
-    else:  # Q8_0's signed codes q as q + 128, m = -128 d: they decode alike (block_codes)
+    elif kind == GGML_Q8_0:  # Q8_0's signed codes q as q + 128, m = -128 d: they decode alike (block_codes)
         m, codes = -128 * d, (blocks[..., 2:].contiguous().view(torch.int8).short() + 128).to(torch.uint8)
+    else:  # weight j's low 4 bits in byte j % 16 (low nibble below 16), Q5_0's fifth in bit j of qh; q = code - 8 or 16
+        low = blocks[..., -16:].short()
+        code = torch.cat([low & 15, low >> 4], -1)
+        if kind == GGML_Q5_0:
+            qh = blocks[..., 2:6].contiguous().view(torch.int32)
+            code |= ((qh >> torch.arange(32, dtype=torch.int32)) & 1).short() << 4
+        m, codes = -128 * d, (code + (128 - (16 if kind == GGML_Q5_0 else 8))).to(torch.uint8)
     return codes.reshape(rows, -1).contiguous(), torch.cat([d, m], -1)
 
 
