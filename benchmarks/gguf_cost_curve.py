@@ -1,14 +1,14 @@
-"""The cost curve of a user's own GGUF model: from SmolLM2-135M to Llama-3.1-8B shapes, our plain decoding step
-against llama.cpp's on the same file and threads, our MEDUSA step with 1-32 candidates (the heads guessing over 4096
-tokens, as calibrated heads do) against our plain step, and the speedup the tokens a step of real heads (the embedded
-default's shipped heads, simulated on their calibration data) would give at each size. The bigger models are
-Llama-shaped GGUF files of random blocks in llama.cpp's Q4_K_M mix (random_gguf.py, the embedded model's tokenizer,
-so a 49,152-token vocabulary: Llama 3's LM head is 2.6x larger): a step's cost does not depend on the weights'
-values.
+"""The cost curve of a user's own GGUF model: from SmolLM2-135M and Gemma 3 270M (the embedded models' own files) to
+Llama-3.1-8B shapes, our plain decoding step against llama.cpp's on the same file and threads, our MEDUSA step with
+1-32 candidates (the heads guessing over 4096 tokens, as calibrated heads do) against our plain step, and the speedup
+the tokens a step of real heads (the embedded default's shipped heads, simulated on their calibration data) would
+give at each size. The bigger models are Llama-shaped GGUF files of random blocks in llama.cpp's Q4_K_M mix
+(random_gguf.py, the embedded model's tokenizer, so a 49,152-token vocabulary: Llama 3's LM head is 2.6x larger): a
+step's cost does not depend on the weights' values.
 
 Each instruction set runs in a process of its own (MEDUSA_ISA); JSON, a table and a plot under --out.
 
-    python benchmarks/gguf_cost_curve.py --models smollm2 1b 3b 8b --isa avx512 avx2 --kernels q8 native
+    python benchmarks/gguf_cost_curve.py --models smollm2 gemma3 1b 3b 8b --isa avx512 avx2 --kernels q8 native
 """
 
 import argparse
@@ -32,8 +32,8 @@ PLAIN_TOKENS = 32  # plain decoding's steps timed after the prompt
 def model_file(name: str, folder: Path) -> Path:
     from medusa_decoding import embedded
 
-    if name == "smollm2":
-        return embedded.gguf_path()
+    if name in ("smollm2", "gemma3"):
+        return embedded.gguf_path(embedded.SMOLLM2 if name == "smollm2" else embedded.GEMMA3)
     path = folder / f"random-llama-{name}-Q4_K_M.gguf"
     if not path.is_file():
         sys.path.insert(0, str(HERE))
@@ -147,7 +147,8 @@ def table(results: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["smollm2", *SHAPES], choices=["smollm2", *SHAPES])
+    parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3", *SHAPES],
+                        choices=["smollm2", "gemma3", *SHAPES])
     parser.add_argument("--kernels", nargs="+", default=["q8", "native"])
     parser.add_argument("--isa", nargs="+", default=None, help="instruction sets, each a process (default: this CPU's)")
     parser.add_argument("--context", type=int, default=128)

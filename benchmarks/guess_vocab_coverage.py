@@ -3,7 +3,7 @@ heads guessing from it could guess at all, per category, for the frequent sets o
 answers), and the vocabularies calibrated heads guess from (--calibrated), each alone and with the row's own tokens
 (its prompt and its conversation so far) added. Prints a table, writes JSON and a PNG.
 usage: .venv/bin/python benchmarks/guess_vocab_coverage.py --train FILE... --heldout NAME=FILE... [--questions FILE...]
-           [--calibrated NAME=HEADS_DIR...] --json P --png P
+           [--calibrated NAME=HEADS_DIR...] [--model MODEL] --json P --png P
 """
 
 import argparse
@@ -38,10 +38,11 @@ def main() -> None:
     parser.add_argument("--heldout", nargs="+", required=True, help="NAME=FILE: answers no training saw")
     parser.add_argument("--questions", nargs="*", default=[], help="the questions they answer (their categories)")
     parser.add_argument("--calibrated", nargs="*", default=[], help="NAME=HEADS_DIR: their calibration's vocabulary")
+    parser.add_argument("--model", help="whose tokens (default: the embedded default)")
     parser.add_argument("--json", required=True)
     parser.add_argument("--png", required=True)
     args = parser.parse_args()
-    model, tokenizer = load_base(None)
+    model, tokenizer = load_base(args.model)
     vocab_size = model.get_output_embeddings().weight.shape[0]
     train = build_examples(tokenizer, [c for path in args.train for c in read_conversations(path)], MAX_LENGTH)
     frequent = answer_vocab(train, vocab_size, max(SIZES)).tolist()
