@@ -226,7 +226,15 @@ def gather_paths(cache: Cache, lengths: torch.Tensor, paths: torch.Tensor) -> No
     rows = torch.arange(len(lengths), device=lengths.device)[:, None]
     to = lengths[:, None] + torch.arange(paths.shape[1], device=lengths.device)
     source = lengths[:, None] + paths
-    cache.stacked[:, :, rows, :, to] = cache.stacked[:, :, rows, :, source]  # [layers, 2, slots, heads, capacity, dim]
+    move_columns(cache.stacked, rows, to, source)
+
+
+@torch.library.custom_op("medusa_cache::move_columns", mutates_args=("stacked",))
+def move_columns(stacked: torch.Tensor, rows: torch.Tensor, to: torch.Tensor, source: torch.Tensor) -> None:
+    """stacked [layers, 2, slots, heads, capacity, dim]: row rows[b]'s column source[b, i] to to[b, i], in place: an
+    op of its own, so that a compiled graph writes the few columns where they are (as an indexed assignment in the
+    graph, inductor copied the whole cache twice a step: benchmarks/results/README.md, gguf_cost_curve_gemma3)."""
+    stacked[:, :, rows, :, to] = stacked[:, :, rows, :, source]
 
 
 def remove(cache: Cache, index: int, wide: int) -> None:
