@@ -20,6 +20,7 @@ from typing import NamedTuple
 import torch
 
 from .config import cache_root
+from .ggml_types import BLOCK_TYPES, FLOAT_TYPES, TYPE_NAMES
 
 MAGIC = b"GGUF"
 # the architectures this engine runs from a GGUF file (transformers reads more: it would convert them, but the engine
@@ -30,11 +31,6 @@ ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3")
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 SOURCE = "gguf_source.json"  # in a conversion: the file it came from and that file's SHA-256
 CHUNK = 1 << 24  # bytes hashed a read
-# the ggml numbers of the block types, their weights and bytes a block (GGML_QUANT_SIZES, as a file holds them)
-BLOCK_TYPES = {"Q4_0": (2, 32, 18), "Q4_1": (3, 32, 20), "Q5_0": (6, 32, 22), "Q5_1": (7, 32, 24),
-               "Q8_0": (8, 32, 34), "Q4_K": (12, 256, 144), "Q5_K": (13, 256, 176), "Q6_K": (14, 256, 210)}
-FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}  # F32, F16, BF16 by ggml's numbers
-TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16", **{number: name for name, (number, _, _) in BLOCK_TYPES.items()}}
 # a metadata value's struct format by GGUF's type number (8: string, 9: array, read apart)
 SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 

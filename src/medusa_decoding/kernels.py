@@ -62,6 +62,8 @@ from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from .ggml_types import BLOCK_TYPES, TYPE_NAMES
+
 KERNELS = ("auto", "stock", "native", "q8", "compiled", "compiled-q8")
 COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compiled engine
 NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native build (and a CPU in float32)
@@ -75,7 +77,7 @@ SOURCES = [CSRC / name for name in ("linear.cpp", "kquants.cpp", "attention.cpp"
 HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
-GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (gguf_file.BLOCK_TYPES)
+GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (ggml_types.BLOCK_TYPES)
 GGML_Q4_0, GGML_Q5_0 = 2, 6  # and of those q8 kernels read as Q8_0's codes (gguf_codes)
 GGML_Q4_K, GGML_Q6_K = 12, 14  # and of those medusa::linear_k reads with 8-bit activations
 Q8_KINDS = (GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K)  # q8 kernels' GGUF types
@@ -152,7 +154,6 @@ def build_variant(isa: str) -> str | None:
     torch.library.register_fake(f"{namespace}::linear_q8")(lambda x, codes, scales, n, path: x.new_empty(x.shape[0], n))
     torch.library.register_fake(f"{namespace}::attention")(
         lambda q, k, v, mask, scale: q.new_empty(q.shape[0], q.shape[2], q.shape[1], q.shape[3]))
-    from .gguf_file import BLOCK_TYPES, TYPE_NAMES  # here: gguf_file loads models through this module
 
     def dequantized(blocks: torch.Tensor, kind: int) -> torch.Tensor:
         _, weights, nbytes = BLOCK_TYPES[TYPE_NAMES[kind]]
