@@ -5,7 +5,6 @@ for one are found by its file's SHA-256, so any copy of that file, given by path
 import hashlib
 import importlib.util
 import os
-import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path

@@ -77,9 +77,10 @@ SOURCES = [CSRC / name for name in ("linear.cpp", "kquants.cpp", "attention.cpp"
 HEADERS = [CSRC / name for name in ("simd.h", "ops.h")]
 GUESS_COPY = "guesses"  # the LM head's submodule that the heads' guesses go through on a CPU in float32
 Q8_PATHS = ("scalar", "avx2", "avx_vnni", "avx512_vnni")  # medusa::linear_q8's instruction paths, by number
-GGML_Q4_1, GGML_Q8_0 = 3, 8  # ggml's numbers of the block types NativeLinear's `codes` hold (ggml_types.BLOCK_TYPES)
-GGML_Q4_0, GGML_Q5_0 = 2, 6  # and of those q8 kernels read as Q8_0's codes (gguf_codes)
-GGML_Q4_K, GGML_Q6_K = 12, 14  # and of those medusa::linear_k reads with 8-bit activations
+# ggml's numbers of the block types NativeLinear's `codes` hold, of those q8 kernels read as Q8_0's codes
+# (gguf_codes), and of those medusa::linear_k reads with 8-bit activations
+GGML_Q4_1, GGML_Q8_0, GGML_Q4_0, GGML_Q5_0, GGML_Q4_K, GGML_Q6_K = (
+    BLOCK_TYPES[name][0] for name in ("Q4_1", "Q8_0", "Q4_0", "Q5_0", "Q4_K", "Q6_K"))
 Q8_KINDS = (GGML_Q4_0, GGML_Q4_1, GGML_Q5_0, GGML_Q8_0, GGML_Q4_K, GGML_Q6_K)  # q8 kernels' GGUF types
 # the native kernels' instruction-set variants (csrc/simd.h: the same bits from each), fastest first, and their flags
 # (F16C, which widens a float16 cache, came with AVX2 on every CPU that has it)
@@ -612,7 +613,7 @@ def gguf_codes(linear: NativeLinear, signed: bool = False) -> tuple[torch.Tensor
     if kind not in (GGML_Q4_1, GGML_Q8_0) + ((GGML_Q4_0, GGML_Q5_0) if signed else ()):
         return None
     rows = blocks.shape[0]
-    blocks = blocks.reshape(rows, -1, {GGML_Q4_0: 18, GGML_Q4_1: 20, GGML_Q5_0: 22, GGML_Q8_0: 34}[kind])
+    blocks = blocks.reshape(rows, -1, BLOCK_TYPES[TYPE_NAMES[kind]][2])
     d = blocks[..., 0:2].contiguous().view(torch.float16).float()
     if kind == GGML_Q4_1:
         m, codes = blocks[..., 2:4].contiguous().view(torch.float16).float(), blocks[..., 4:]
