@@ -25,8 +25,10 @@ CHROMIUM := /usr/bin/chromium
 demo: $(STAMP)
 	$(VENV)/bin/medusa demo
 
-# every test but those that compile graphs with torch.compile (minutes of C++ on a cold 2-core CPU): test-compiled
+# the linter (pyproject's [tool.ruff]), then every test but those that compile graphs with torch.compile (minutes of
+# C++ on a cold 2-core CPU): test-compiled
 test: $(STAMP) $(CHROMIUM)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -m "not compiles" tests/
 
 test-compiled: $(STAMP)

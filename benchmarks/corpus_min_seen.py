@@ -55,8 +55,8 @@ def main() -> None:
     print(f"{len(prompts)} first turns of {args.questions}, {TOKENS} greedy tokens, on {report['setup']}")
     print(f"{'min_seen':>8} {'contexts':>9} {'MB':>6} {'tokens/step':>11} {'drafted':>8} {'lossless':>8}")
     for r in rows:
-        print(f"{str(r['min_seen'] or 'none'):>8} {r['contexts']:>9} {r['megabytes']:>6.1f} "
-              f"{r['tokens_per_step']:>11.3f} {r['drafted_per_step']:>8.3f} {str(r['lossless']):>8}")
+        print(f"{r['min_seen'] or 'none'!s:>8} {r['contexts']:>9} {r['megabytes']:>6.1f} "
+              f"{r['tokens_per_step']:>11.3f} {r['drafted_per_step']:>8.3f} {r['lossless']!s:>8}")
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     plot(rows, args.png, report)
 

@@ -26,10 +26,12 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
-from medusa_decoding import GenerationConfig, MedusaModel, kernels as kernel_ops
+from medusa_decoding import GenerationConfig, MedusaModel
+from medusa_decoding import kernels as kernel_ops
 from medusa_decoding.bench import read_questions
 from medusa_decoding.calibrate import device_name, measure_step_latency
 from medusa_decoding.config import CalibrateConfig
@@ -58,7 +60,8 @@ def main() -> None:
     models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
               for name in ("stock", "native", "q8", "compiled", "compiled-q8") if name in kernels}
     if "native-float32" in kernels:
-        models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, "native")
+        models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree,
+                                               "native")
         for module in models["native-float32"].model.modules():
             if hasattr(module, "codes"):  # no GGUF blocks: the kernel reads the float32 weights
                 del module.codes, module.scales
@@ -133,13 +136,11 @@ def main() -> None:
 @contextlib.contextmanager
 def variant(name: str):
     """NAME@VARIANT runs on that instruction-set variant's ops (the engine's own otherwise)."""
-    saved, isa = kernel_ops.OPS, name.partition("@")[2]
+    isa = name.partition("@")[2]
     if isa:
-        kernel_ops.OPS = kernel_ops.load_native(isa)
-    try:
+        kernel_ops.load_native(isa)
+    with mock.patch.object(kernel_ops.build, "engine_variant", lambda: isa) if isa else contextlib.nullcontext():
         yield
-    finally:
-        kernel_ops.OPS = saved
 
 
 def plot(record: dict, path: str) -> None:
@@ -163,7 +164,8 @@ def plot(record: dict, path: str) -> None:
     for i, context in enumerate(record["contexts"]):
         contexts.bar([n + i * 0.4 for n in range(len(by_context))], [1000 * s[i] for s in by_context.values()],
                      width=0.4, label=f"{context}-token context")
-    contexts.set_xticks([n + 0.2 for n in range(len(by_context))], list(by_context), rotation=30, ha="right", fontsize=8)
+    contexts.set_xticks([n + 0.2 for n in range(len(by_context))], list(by_context), rotation=30, ha="right",
+                        fontsize=8)
     contexts.set_ylabel("plain step (ms)")
     contexts.set_yscale("log")
     contexts.set_title(f"a plain step by context (variant {record['variant']} unless named)", fontsize=10)

@@ -23,9 +23,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from medusa_decoding.base import load_base
 from medusa_decoding.embedded import shipped_heads
 from medusa_decoding.heads import MedusaHeads, run_backbone
-from medusa_decoding.base import load_base
 from medusa_decoding.training.data import IGNORE_INDEX, build_examples, collate, read_conversations
 from medusa_decoding.training.positions import at_answers
 
@@ -63,7 +63,8 @@ class Head0(torch.nn.Module):
         super().__init__()
         linear = heads.heads[0][0].linear
         hidden = linear.weight.shape[0]
-        self.weight = torch.nn.Parameter(torch.cat([linear.weight.float(), linear.weight.new_zeros(hidden, extra * hidden).float()], 1))
+        self.weight = torch.nn.Parameter(
+            torch.cat([linear.weight.float(), linear.weight.new_zeros(hidden, extra * hidden).float()], 1))
         self.bias = torch.nn.Parameter(linear.bias.float().clone())
         self.rows, self.embed, self.extra = rows, embed, extra
 

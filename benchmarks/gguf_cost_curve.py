@@ -68,7 +68,8 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
     """One model on one kernel choice, in this process's instruction set."""
     import torch
 
-    from medusa_decoding import MedusaModel, kernels as ops, llamacpp
+    from medusa_decoding import MedusaModel, llamacpp
+    from medusa_decoding import kernels as ops
     from medusa_decoding.calibrate import measure_step_latency
     from medusa_decoding.config import CalibrateConfig, GenerationConfig
     from medusa_decoding.tree import Tree

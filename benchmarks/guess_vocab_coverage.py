@@ -12,8 +12,14 @@ from collections import defaultdict
 
 from medusa_decoding.base import load_base
 from medusa_decoding.calibrate import read_accuracy
-from medusa_decoding.training.data import (IGNORE_INDEX, answer_vocab, build_examples, messages, read_conversations,
-                                           read_records)
+from medusa_decoding.training.data import (
+    IGNORE_INDEX,
+    answer_vocab,
+    build_examples,
+    messages,
+    read_conversations,
+    read_records,
+)
 
 SIZES = (4096, 8192, 16384)
 MAX_LENGTH = 4096
@@ -69,13 +75,13 @@ def main() -> None:
             rows.append({"vocabulary": label, "size": len(vocab), "own_tokens": own, "coverage": inside / total,
                          "tokens": total,
                          "per_category": {c: i / t for c, (i, t) in shares.items()}})
-    report = {"train_files": args.train, "train_answer_tokens": sum(l != IGNORE_INDEX for e in train
-                                                                  for l in e["labels"]),
+    report = {"train_files": args.train, "train_answer_tokens": sum(label != IGNORE_INDEX for e in train
+                                                                  for label in e["labels"]),
               "heldout": {c: len(e) for c, e in heldout.items()}, "rows": rows,
               "id_threshold_16384": coverage([e for es in heldout.values() for e in es], set(range(16384)), False)}
     print(f"{'vocabulary':>28} {'+ own':>6} {'all':>7}  " + "  ".join(f"{c[-14:]:>14}" for c in sorted(heldout)))
     for row in rows:
-        print(f"{row['vocabulary']:>28} {str(row['own_tokens']):>6} {row['coverage']:7.3f}  "
+        print(f"{row['vocabulary']:>28} {row['own_tokens']!s:>6} {row['coverage']:7.3f}  "
               + "  ".join(f"{row['per_category'][c]:14.3f}" for c in sorted(heldout)))
     with open(args.json, "w") as file:
         json.dump(report, file, indent=1)

@@ -66,14 +66,15 @@ def main() -> None:
         name, directory = spec.split("=", 1)
         medusa = MedusaModel.from_pretrained(heads=directory, kernels="stock", tree=None)
         vocabulary = read_accuracy(directory).guess_vocab
-        per = defaultdict(lambda: torch.zeros(medusa.heads.config.num_heads, 3, dtype=torch.long))
+        per = defaultdict(lambda num_heads=medusa.heads.config.num_heads: torch.zeros(num_heads, 3, dtype=torch.long))
         with torch.inference_mode():
             for heldout in args.heldout:
                 label, path = heldout.split("=", 1)
                 for record in read_records(path):
                     category = categories.get(str(record["id"]), "")
                     for example in build_examples(medusa.tokenizer, [messages(record)], MAX_LENGTH):
-                        per[f"{label}:{category}"] += conversation_hits(medusa, vocabulary, example, not args.vocab_only)
+                        per[f"{label}:{category}"] += conversation_hits(medusa, vocabulary, example,
+                                                                        not args.vocab_only)
         total = sum(per.values())
         report[name] = {"heads": directory, "guess_vocab": len(vocabulary), "own_tokens": not args.vocab_only,
                         "top1": (total[:, 0] / total[:, 2]).tolist(), "top5": (total[:, 1] / total[:, 2]).tolist(),

@@ -45,8 +45,9 @@ def main() -> None:
                 module._buffers["codes"], module._buffers["scales"] = codes, scales
             seconds[name].append(measure_step_latency(medusa, trees, timing)[1][0])
     steps = list(STEPS)
-    record = {"device": device_name(torch.device("cpu")), "variant": kernels.OPS.variant(), "kernels": args.kernels,
-              "torch": torch.__version__, "rounds": args.rounds, "context": 200, "steps": steps,
+    record = {"device": device_name(torch.device("cpu")), "variant": kernels.native_ops().variant(),
+              "kernels": args.kernels, "torch": torch.__version__, "rounds": args.rounds, "context": 200,
+              "steps": steps,
               "block_megabytes": sum(codes.nbytes + scales.nbytes for codes, scales in large) / 2**20,
               "anon_huge_pages_kb": granted,
               "median_ms": {name: [1000 * statistics.median(r[k] for r in s) for k in range(len(steps))]

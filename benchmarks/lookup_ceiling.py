@@ -34,7 +34,7 @@ def replay(prompt: list[int], answer: list[int], length: int) -> int:
     for free: the first token comes from the prefill, each step yields the chain's right prefix and one token more."""
     index, done, steps = Lookup(prompt + answer[:1], MATCHES), 1, 0
     while done < len(answer):
-        chain, _ = index.propose(length)
+        chain, _ = index.continuation(length)
         right = 0
         while right < len(chain) and done + right < len(answer) and chain[right] == answer[done + right]:
             right += 1
@@ -48,7 +48,7 @@ def first_hits(prompt: list[int], answer: list[int]) -> list[tuple[int, bool]]:
     """(match length, whether the first drafted token was the answer's) at every position where a suffix recurs."""
     index, hits = Lookup(prompt + answer[:1], MATCHES), []
     for token in answer[1:]:
-        chain, match = index.propose(1)
+        chain, match = index.continuation(1)
         if chain:
             hits.append((match, chain[0] == token))
         index.extend([token])

@@ -43,9 +43,10 @@ def main() -> None:
         plain = tuned.generate(question.turns[0], config=config, medusa=False).token_ids
         fast = tuned.generate(question.turns[0], config=config)
         agreed = agreed_prefix(reference, plain)
-        rows.append({"question_id": question.question_id, "category": question.category, "identical": reference == plain,
-                     "agreed_tokens": agreed, "original_tokens": len(reference), "medusa_lossless": fast.token_ids == plain,
-                     "medusa_tokens": len(fast.token_ids), "medusa_steps": fast.steps})
+        rows.append({"question_id": question.question_id, "category": question.category,
+                     "identical": reference == plain, "agreed_tokens": agreed, "original_tokens": len(reference),
+                     "medusa_lossless": fast.token_ids == plain, "medusa_tokens": len(fast.token_ids),
+                     "medusa_steps": fast.steps})
     record = {
         "device": device_name(torch.device("cpu")), "medusa2": args.medusa2, "questions": len(rows),
         "max_new_tokens": args.max_new_tokens,
@@ -58,7 +59,8 @@ def main() -> None:
     print(f"MEDUSA-2 {args.medusa2} on {len(rows)} MT-Bench first turns, greedy, {args.max_new_tokens} tokens:\n"
           f"  greedy answer identical to the original model's: {record['greedy_identical_rate']:.0%}\n"
           f"  tokens agreeing before the first difference: {record['agreed_prefix_fraction']:.1%}\n"
-          f"  MEDUSA tokens per step with its own heads (tree of {record['tree_size']}): {record['acceleration_rate']:.2f}"
+          f"  MEDUSA tokens per step with its own heads (tree of {record['tree_size']}):"
+          f" {record['acceleration_rate']:.2f}"
           f" (lossless w.r.t. the MEDUSA-2 model: {record['medusa_lossless']})")
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(record, indent=1) + "\n")

@@ -64,7 +64,8 @@ def main() -> None:
     config = GenerationConfig(max_new_tokens=args.max_new_tokens)
     greedy = []
     for question in read_questions(QUESTIONS, per_category=1):
-        answers = {name: m.generate(question.turns[0], config=config, medusa=False).token_ids for name, m in models.items()}
+        answers = {name: m.generate(question.turns[0], config=config, medusa=False).token_ids
+                   for name, m in models.items()}
         a, b = answers["native"], answers["q8"]
         agreed = agreed_prefix(a, b)
         greedy.append({"question_id": question.question_id, "category": question.category, "identical": a == b,
@@ -77,7 +78,8 @@ def main() -> None:
         "mean_log_likelihood": {name: total / positions for name, total in likelihood.items()},
         "mean_kl_native_to_q8": kl / positions,
         "greedy": {"turns": len(greedy), "identical": sum(g["identical"] for g in greedy),
-                   "agreed_prefix_fraction": sum(g["agreed_tokens"] for g in greedy) / sum(g["native_tokens"] for g in greedy),
+                   "agreed_prefix_fraction": (sum(g["agreed_tokens"] for g in greedy)
+                                              / sum(g["native_tokens"] for g in greedy)),
                    "max_new_tokens": args.max_new_tokens, "rows": greedy},
     }
     print(f"q8 against float32 (native), {positions} held-out answer tokens of {len(examples)} conversations:\n"

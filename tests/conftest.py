@@ -46,7 +46,8 @@ TINY_CONFIGS = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel", {}),
     # a sliding window shorter than the tests' prompts, on one layer of two; untied (a tied lm_head reads back the
     # last token's sqrt(hidden)-scaled embedding: every continuation repeats it)
-    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 8, "tie_word_embeddings": False,
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {"head_dim": 8, "sliding_window": 8,
+                                                         "tie_word_embeddings": False,
                                                          "layer_types": ["sliding_attention", "full_attention"]}),
 }
 FAMILIES = tuple(TINY_CONFIGS)

@@ -7,12 +7,12 @@ import torch
 from conftest import tiny_model
 
 from medusa_decoding import cache as kv
+from medusa_decoding import native_layers
+from medusa_decoding.base import sliding_window
 from medusa_decoding.config import GenerationConfig, HeadsConfig
 from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.decoding import Batch
 from medusa_decoding.eager import Eager, prefill, step_forward
-from medusa_decoding import native_layers
-from medusa_decoding.base import sliding_window
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
 from medusa_decoding.tree import Tree

@@ -6,6 +6,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
-from random_gguf import SCALES, random_blocks, write  # noqa: E402
+from random_gguf import SCALES, random_blocks, write
 
 __all__ = ["SCALES", "random_blocks", "write"]

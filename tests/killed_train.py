@@ -5,10 +5,10 @@ import os
 import sys
 
 from medusa_decoding.cli import main
-from medusa_decoding.training import train
+from medusa_decoding.training.trainer import MedusaTrainer
 
 KILL_AT = int(os.environ["KILL_AT"])
-compute_loss = train.MedusaTrainer.compute_loss
+compute_loss = MedusaTrainer.compute_loss
 
 
 def dying_compute_loss(self, *args, **kwargs):
@@ -17,5 +17,5 @@ def dying_compute_loss(self, *args, **kwargs):
     return compute_loss(self, *args, **kwargs)
 
 
-train.MedusaTrainer.compute_loss = dying_compute_loss
+MedusaTrainer.compute_loss = dying_compute_loss
 main(sys.argv[1:])

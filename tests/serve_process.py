@@ -20,7 +20,8 @@ def medusa_serve(*args: str):
         port = sock.getsockname()[1]
     log = tempfile.TemporaryFile("w+")
     process = subprocess.Popen([sys.executable, "-m", "medusa_decoding.cli", "serve", "--port", str(port), *args],
-                               stdout=log, stderr=subprocess.STDOUT, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               stdout=log, stderr=subprocess.STDOUT, text=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600  # a cold cache converts the model and builds the kernels

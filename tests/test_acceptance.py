@@ -5,7 +5,15 @@ import math
 import pytest
 import torch
 
-from medusa_decoding.acceptance import CHUNK, argmax, greedy, longest_accepted_path, rejection, target_probs, typical
+from medusa_decoding.acceptance import (
+    ARGMAX_CHUNK,
+    argmax,
+    greedy,
+    longest_accepted_path,
+    rejection,
+    target_probs,
+    typical,
+)
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.tree import Tree
 
@@ -35,15 +43,15 @@ def test_greedy_takes_the_longest_matching_path():
 
 
 def test_argmax_is_the_first_largest_logit_within_and_across_chunks():
-    logits = torch.randn(6, 4 * CHUNK, generator=torch.Generator().manual_seed(0))
-    logits[1, [CHUNK + 6, 3 * CHUNK]] = 9  # a tie across chunks
-    logits[2, [CHUNK + 1, CHUNK + 2]] = 9  # a tie within one
+    logits = torch.randn(6, 4 * ARGMAX_CHUNK, generator=torch.Generator().manual_seed(0))
+    logits[1, [ARGMAX_CHUNK + 6, 3 * ARGMAX_CHUNK]] = 9  # a tie across chunks
+    logits[2, [ARGMAX_CHUNK + 1, ARGMAX_CHUNK + 2]] = 9  # a tie within one
     logits[3, -1], logits[4, 0] = 9, 9  # the last logit, the first
     logits[5] = 0  # all tied
-    expected = [int(logits[0].argmax()), CHUNK + 6, CHUNK + 1, 4 * CHUNK - 1, 0, 0]
+    expected = [int(logits[0].argmax()), ARGMAX_CHUNK + 6, ARGMAX_CHUNK + 1, 4 * ARGMAX_CHUNK - 1, 0, 0]
     assert argmax(logits).tolist() == expected
     assert argmax(logits[:, :-1]).tolist() == logits[:, :-1].max(-1).indices.tolist()  # not whole chunks
-    assert argmax(logits[1]).tolist() == CHUNK + 6  # one row
+    assert argmax(logits[1]).tolist() == ARGMAX_CHUNK + 6  # one row
 
 
 def test_greedy_takes_the_longer_path_where_siblings_hold_the_same_token():
@@ -114,7 +122,7 @@ def test_every_rule_is_greedy_at_temperature_zero(rule):
     generator = torch.Generator().manual_seed(0)
     for trial in range(30):
         tokens = torch.randint(0, 4, (tree.num_nodes,), generator=generator)
-        for parent, children in enumerate(tree.children):  # siblings differ, as a head's top-k tokens do
+        for _parent, children in enumerate(tree.children):  # siblings differ, as a head's top-k tokens do
             tokens[list(children)] = torch.randperm(4, generator=generator)[: len(children)]
         logits = torch.randn(tree.num_nodes, 4, generator=generator)
         config = GenerationConfig(temperature=0, acceptance="typical") if rule is typical else GREEDY
@@ -129,7 +137,8 @@ def test_rejection_with_one_hot_p_accepts_exactly_the_argmax_child():
     for argmax_after_root, expected in [(5, [0, 1, 4]), (6, [0, 2, 5]), (7, [0, 3, 6]), (8, [0])]:
         argmax = [argmax_after_root, 1, 2, 3, 9, 9, 9]
         for seed in range(10):
-            path, token = rejection(tokens, logits_with_argmax(argmax), tree, GREEDY, torch.Generator().manual_seed(seed))
+            path, token = rejection(tokens, logits_with_argmax(argmax), tree, GREEDY,
+                                    torch.Generator().manual_seed(seed))
             assert path.tolist() == expected and token == argmax[expected[-1]]
 
 

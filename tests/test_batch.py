@@ -122,14 +122,14 @@ def test_rows_guess_their_own_tokens_beside_the_guess_vocabulary_and_stay_lossle
     set_guess_vocab(model, FREQUENT)
     heads = random_heads(model, kind=kind)
     proposed = []  # (the candidates, the row's vocabulary then)
-    real = heads_draft.propose
+    real = heads_draft.guess
 
     def watching(*args, own=None, **kwargs):
         tokens, guesses = real(*args, own=own, **kwargs)
         proposed.append((tokens[1:].tolist(), set(own.columns.tolist())))
         return tokens, guesses
 
-    monkeypatch.setattr(heads_draft, "propose", watching)
+    monkeypatch.setattr(heads_draft, "guess", watching)
     configs = [GenerationConfig(max_new_tokens=n, lookup=0) for n in BUDGETS]
     outs = batched(model, heads, configs)
     for i, (prompt, config) in enumerate(zip(PROMPTS, configs)):

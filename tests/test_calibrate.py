@@ -13,10 +13,10 @@ from engine_helpers import ORACLE_RANK0, ORACLE_RANK1, OracleHeads, greedy_refer
 
 from medusa_decoding import MedusaModel, calibrate, decoding, heads_draft
 from medusa_decoding.calibrate import (
+    answer_positions,
     choose_tree,
     expected_acceptance,
     grow_tree,
-    answer_positions,
     measure_accuracy,
     measure_batch_latency,
     measure_step_latency,
@@ -25,10 +25,10 @@ from medusa_decoding.calibrate import (
 )
 from medusa_decoding.cli import main
 from medusa_decoding.config import CalibrateConfig
-from medusa_decoding.heads_draft import propose, propose_confident
-from medusa_decoding.guard import Ladder
-from medusa_decoding.kernels import guess_projection
 from medusa_decoding.conversation import chat_ids
+from medusa_decoding.guard import Ladder
+from medusa_decoding.heads_draft import guess, guess_confident
+from medusa_decoding.kernels import guess_projection
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels
 from medusa_decoding.tree import Tree, build
 
@@ -221,7 +221,8 @@ def test_hydra_accuracy_is_given_the_true_path(oracle):
     so their table is the MEDUSA oracle's (a path shifted by one token would give noise: all zeros)."""
     medusa, _ = oracle
     hydra = OracleHeads(medusa.model, medusa.heads.sequence, kind="hydra")
-    table = measure_accuracy(MedusaModel(medusa.model, medusa.tokenizer, hydra), [ORACLE_CHAT], CalibrateConfig(top_k=4))
+    table = measure_accuracy(MedusaModel(medusa.model, medusa.tokenizer, hydra), [ORACLE_CHAT],
+                             CalibrateConfig(top_k=4))
     assert torch.equal(table, measure_accuracy(medusa, [ORACLE_CHAT], CalibrateConfig(top_k=4)))
     assert table[:, 0].mean() > 0.5
 
@@ -229,7 +230,7 @@ def test_hydra_accuracy_is_given_the_true_path(oracle):
 def test_accuracy_is_the_same_when_the_heads_see_the_positions_in_small_chunks(oracle, monkeypatch):
     medusa, _ = oracle
     whole = measure_accuracy(medusa, [ORACLE_CHAT])
-    monkeypatch.setattr(calibrate, "HEADS_CHUNK", 3)
+    monkeypatch.setattr(calibrate.accuracy, "HEADS_CHUNK", 3)
     assert torch.equal(measure_accuracy(medusa, [ORACLE_CHAT]), whole)
 
 
@@ -281,9 +282,9 @@ def test_simulated_yields_are_what_each_trees_candidates_match_of_the_answer(ora
                 truth = truth[: truth.index(IGNORE_INDEX)] if IGNORE_INDEX in truth else truth
                 for i, n in enumerate(sizes):
                     tree = build(tuple(paths[:n]))
-                    counts[0, i] += 1 + accepted(tree, propose(heads, lm_head, embed, h, root, tree, tree)[0], truth)
+                    counts[0, i] += 1 + accepted(tree, guess(heads, lm_head, embed, h, root, tree, tree)[0], truth)
                     if n:
-                        tree, tokens, _ = propose_confident(heads, lm_head, embed, h, root, n, sizes[-1])
+                        tree, tokens, _ = guess_confident(heads, lm_head, embed, h, root, n, sizes[-1])
                     counts[1, i] += 1 + accepted(tree, tokens, truth) if n else 1
                 seen += 1
     assert static == pytest.approx((counts[0] / seen).tolist())
@@ -308,7 +309,7 @@ def test_step_latency_is_one_positive_time_per_tree(oracle, monkeypatch):
     assert contexts == [8, 32, 1024 - (7 + 2 * (2 + 1) + 2)]
     assert len(latencies) == 3 and all(len(row) == 4 and min(row) > 0 for row in latencies)
     chosen = []  # confident trees' steps are timed as they decode: choosing their nodes included
-    monkeypatch.setattr(heads_draft, "propose_confident", lambda *args: chosen.append(args[-2]) or propose_confident(*args))
+    monkeypatch.setattr(heads_draft, "guess_confident", lambda *args: chosen.append(args[-2]) or guess_confident(*args))
     measure_step_latency(medusa, trees[1:], CalibrateConfig(latency_contexts=(32,), latency_repeats=1), confident=True)
     assert sorted(set(chosen)) == [1, 3, 6]
 
@@ -346,7 +347,8 @@ def test_cli_writes_a_loadable_tree_the_table_and_plots(tokenizer, tmp_path, one
           *(["--vocab-data", str(data[1])] if vocab_data else [])])  # the vocabulary of one answer's tokens alone
     record = json.loads((tmp_path / "out" / "accuracy.json").read_text())
     counted = records[2:] if vocab_data else records
-    chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}] for r in counted]
+    chats = [[ORACLE_CHAT[0], {"role": "assistant", "content": json.loads(r)["conversations"][1]["value"]}]
+             for r in counted]
     answers = Counter(t for chat in chats for t in assistant_labels(tokenizer, chat)[1] if t != IGNORE_INDEX)
     assert record["guess_vocab"] == sorted(range(len(tokenizer)), key=lambda t: (-answers[t], t))[:20]  # most used
     assert len(record["accuracy"]) == 2 and len(record["tokens_per_s"]) == 6
@@ -403,11 +405,13 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
             raise AssertionError("the cached fit must be used")
         return list(config.latency_contexts), [[plain]]
 
-    monkeypatch.setattr(calibrate, "measure_step_latency", measure_again)
+    monkeypatch.setattr(calibrate.latency, "measure_step_latency", measure_again)  # a refit's timing
+    monkeypatch.setattr(calibrate.persistence, "measure_step_latency", measure_again)  # the check of a cached fit
     auto = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS).trees
     assert auto.tree is tree and not auto.confident
     for factor, refit in ((0.3, False), (3.0, True)):  # a fit faster than now stands; one 3x slower was timed loaded
-        cached.write_text(json.dumps(record | {"latency_s": [[s * factor for s in row] for row in record["latency_s"]]}))
+        cached.write_text(json.dumps(record | {"latency_s": [[s * factor for s in row]
+                                                             for row in record["latency_s"]]}))
         if refit:
             with pytest.raises(AssertionError, match="the cached fit must be used"):
                 MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS)
@@ -425,7 +429,8 @@ def test_auto_tree_is_fitted_to_this_device_once_then_cached(base_and_heads, mon
             MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree=bad)
     given = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree=None).tree
     assert given == Tree.from_spec([[0], [1], [2]])
-    monkeypatch.setattr(calibrate, "code_digest", lambda: "other kernels")  # latencies timed on other code: refit
+    # latencies timed on other code: refit
+    monkeypatch.setattr(calibrate.persistence, "code_digest", lambda: "other kernels")
     with pytest.raises(AssertionError, match="the cached fit must be used"):
         MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS)
     fixed = MedusaModel.from_pretrained(base, heads, kernels=EXACT_KERNELS, tree="confident:5").trees  # nothing timed
@@ -436,10 +441,10 @@ def test_a_forced_instruction_set_is_a_setup_of_its_own(oracle, monkeypatch):
     """The AVX2 build forced on an AVX-512 machine stands for an AVX2 machine: a fit timed on the native build (the
     calibration's, or a cached one) is not its fit."""
     medusa, _ = oracle
-    monkeypatch.setattr(calibrate, "cpu_variants", lambda: ["avx512", "avx2", "baseline"])
-    monkeypatch.setattr(calibrate, "variant", lambda: "avx512")
+    monkeypatch.setattr(calibrate.latency, "cpu_variants", lambda: ["avx512", "avx2", "baseline"])
+    monkeypatch.setattr(calibrate.latency, "variant", lambda: "avx512")
     native = calibrate.setup(medusa)
-    monkeypatch.setattr(calibrate, "variant", lambda: "avx2")
+    monkeypatch.setattr(calibrate.latency, "variant", lambda: "avx2")
     assert calibrate.setup(medusa) == native + ", avx2 build" and "build" not in native
 
 
@@ -447,7 +452,7 @@ def test_confident_trees_refitted_here_keep_their_simulated_tokens_where_the_siz
     base, heads = base_and_heads
     # every load below reads the first one's fit: a tiny model's millisecond steps can look "timed under load" to the
     # next load, whose refit then follows other timings (a CI run failed so)
-    monkeypatch.setattr(calibrate, "timed_under_load", lambda *args: False)
+    monkeypatch.setattr(calibrate.persistence, "timed_under_load", lambda *args: False)
     sizes = tried_sizes(len(HAND_ORDER))  # what a fit here measures
     simulated = [1 + 0.2 * n for n in sizes]
     record = {"accuracy": HAND.tolist(), "setup": "another machine", "sizes": sizes, "contexts": [512],
@@ -484,9 +489,11 @@ def test_auto_tree_rejects_a_corrupt_accuracy_table(base_and_heads):
 
 def test_cli_names_a_missing_data_file_before_loading_a_model(tmp_path, capsys):
     present = tmp_path / "present.jsonl"
-    present.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]}))
+    present.write_text(json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                                     {"from": "gpt", "value": "hello"}]}))
     with pytest.raises(SystemExit):
-        main(["calibrate", "--data", str(present), str(tmp_path / "missing.jsonl"), "--heads", str(tmp_path / "no-heads")])
+        main(["calibrate", "--data", str(present), str(tmp_path / "missing.jsonl"),
+              "--heads", str(tmp_path / "no-heads")])
     assert "missing.jsonl" in capsys.readouterr().err
 
 

@@ -7,11 +7,12 @@ import sys
 
 import pytest
 import torch
+from conftest import EXACT_KERNELS
 
 from medusa_decoding import HeadsConfig, MedusaHeads, MedusaModel
-from medusa_decoding.cli import heads_trained, main
+from medusa_decoding.cli import main
+from medusa_decoding.cli.measure import heads_trained
 from medusa_decoding.config import DEFAULT_MODEL
-from conftest import EXACT_KERNELS
 
 PROMPT = "Name three primary colours."  # untrained heads still get a few guesses accepted on this one
 MAX_NEW_TOKENS = 24
@@ -40,7 +41,8 @@ def generated() -> dict:
 
 def test_generate_json_is_transformers_greedy(generated, smollm):
     messages = [{"role": "user", "content": PROMPT}]
-    prompt = torch.tensor([smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)])
+    prompt = torch.tensor([smollm.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                                return_dict=False)])
     with torch.inference_mode():
         reference = smollm.model.generate(
             prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=MAX_NEW_TOKENS
@@ -112,7 +114,8 @@ BAD_INPUTS = {
     "tree deeper than heads": (lambda h: ["--tree", "[1, 1, 1, 1, 1]"], r"tree: depth 5 needs 5 heads"),
     "empty prompt": (lambda h: ["--prompt", ""], r"prompt is empty"),
     # bytes that are not UTF-8 reach Python's argv as lone surrogates, which no tokenizer takes
-    "prompt not valid text": (lambda h: ["--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")], r"not valid Unicode"),
+    "prompt not valid text": (lambda h: ["--prompt", b"caf\xe9".decode("utf-8", "surrogateescape")],
+                              r"not valid Unicode"),
     "prompt too long": (lambda h: ["--prompt", "word " * 9000], r"exceeds the model's context of 8192 tokens"),
     "heads for another model": (lambda h: ["--heads", str(h["tiny"])], r"built for hidden_size=32, vocab_size=96"),
     "corrupt heads": (lambda h: ["--heads", str(h["corrupt"])], r"corrupt"),

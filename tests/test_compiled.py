@@ -12,21 +12,21 @@ from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, 
 from medusa_decoding import cache as kv
 from medusa_decoding import compiled, device_acceptance
 from medusa_decoding.acceptance import greedy
+from medusa_decoding.candidates import confident_tree
 from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch, Row
 from medusa_decoding.eager import Eager, prefill
 from medusa_decoding.guard import Ladder
-from medusa_decoding.heads_draft import propose, propose_confident
+from medusa_decoding.heads_draft import guess, guess_confident
 from medusa_decoding.kernels import use_kernels
-from medusa_decoding.proposal import confident_tree
 from medusa_decoding.tree import Tree, padded
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
-# three static trees and a confident one (its nodes chosen each step, in its step's graph: proposal.confident_tree)
+# three static trees and a confident one (its nodes chosen each step, in its step's graph: candidates.confident_tree)
 TREES = (PLAIN, Tree.from_spec([2, 1]), Tree.from_spec(DEFAULT_TREE), Ladder.fixed(Tree.from_spec(DEFAULT_TREE), True))
 DEVICE_STEPS = 4  # one graph per tree (compiled.device_graph)
-PROPOSALS = 2  # the static trees with candidates: their first step's proposal (a confident one's runs eagerly)
+CANDIDATE_GRAPHS = 2  # the static trees with candidates: their first step's candidates (a confident one's: eagerly)
 
 pytestmark = [pytest.mark.usefixtures("one_thread"), needs_compiler]  # every test here compiles, or checks a graph
 
@@ -54,9 +54,9 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
     for tree in TREES:
         assert tokens_of(engine, heads[0], PROMPT, tree, new_tokens[0]) == references[0]
     first = graphs() - before
-    # a device step per tree and a proposal for each static one's first step (fewer where a model of the same shapes
-    # compiled them: the proposal graphs are per heads, not per model)
-    assert DEVICE_STEPS <= first <= DEVICE_STEPS + PROPOSALS
+    # a device step per tree and a candidates graph for each static one's first step (fewer where a model of the same
+    # shapes compiled them: the candidates graphs are per heads, not per model)
+    assert DEVICE_STEPS <= first <= DEVICE_STEPS + CANDIDATE_GRAPHS
     for tree in TREES:  # another prompt, context and budget (the last steps' trees cut short): no new graph
         assert tokens_of(engine, heads[1], long_prompt, tree, new_tokens[1]) == references[1]
     assert graphs() - before == first
@@ -64,7 +64,7 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
 
 
 @needs_compiler
-# fused: the graph gives layer 1's output too; hydra: each row's proposal graph reads its own path; confident: each
+# fused: the graph gives layer 1's output too; hydra: each row's candidates graph reads its own path; confident: each
 # row's tree chosen in the step's graph
 @pytest.mark.parametrize("kind, layers, confident", [("medusa", (), False), ("medusa", (1,), False),
                                                      ("hydra", (), False), ("hydra", (), True)],
@@ -98,11 +98,11 @@ def test_a_greedy_row_beside_sampled_rows_on_the_device_decodes_as_alone(monkeyp
     for n, fields in ((5, {"top_k": 3}), (8, {"acceptance": "typical"})):
         batch.join(PROMPT[:n], GenerationConfig(max_new_tokens=20, temperature=0.9, **fields), tree,
                    generator=torch.Generator().manual_seed(n))
-    produced, steps = [greedy.root], 0
+    produced, taken = [greedy.root], 0
     while greedy in batch.rows:
         produced += next(new for row, new, _ in batch.step() if row is greedy)
-        steps += 1
-    assert produced == reference and steps < 16  # the oracle's paths accepted deep
+        taken += 1
+    assert produced == reference and taken < 16  # the oracle's paths accepted deep
 
 
 @needs_compiler
@@ -132,7 +132,7 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
 
     def run(ahead: bool) -> tuple[list, set]:
         batch = Batch(engine, heads, compiled=True)
-        batch.engine.ahead, batch.engine.windowed, batch.engine.chunk = ahead, True, 16
+        batch.engine.ahead, batch.engine.windowed, batch.engine.prefill_chunk = ahead, True, 16
         join = lambda i: batch.join(prompts[i], GenerationConfig(max_new_tokens=budgets[i]), Tree.from_spec([2, 1]))
         rows = [join(0), join(1)]
         produced, windows = {id(row): [[row.root]] for row in rows}, set()
@@ -162,7 +162,7 @@ def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does(family)
     that it installs at the first pass asking for them)."""
     model = use_kernels(lively_model(family), "compiled")
     engine = Compiled(model, random_heads(model, feature_layers=(1,)))
-    engine.chunk = 8
+    engine.prefill_chunk = 8
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
     for prompt in (PROMPT[:5], PROMPT.repeat(2)[:16], PROMPT.repeat(2)[:21], PROMPT[:3]):
         with torch.inference_mode():  # as Batch.join runs it
@@ -178,10 +178,10 @@ def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does(family)
 
 @needs_compiler
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
-def test_the_proposal_graph_proposes_what_the_eager_proposal_does(kind):
-    """The compiled engine's proposal (one graph per heads and tree) against decoding.candidates run eagerly: the same
-    tokens and guesses for the whole tree and for a subtree of it, and no guesses where the guard reads none. (Random
-    heads over a tiny vocabulary: their ranks lie apart by far more than the graph's rounding.)"""
+def test_the_candidates_graph_guesses_what_the_eager_candidates_do(kind):
+    """The compiled engine's candidates (one graph per heads and tree) against candidates.candidates run eagerly: the
+    same tokens and guesses for the whole tree and for a subtree of it, and no guesses where the guard reads none.
+    (Random heads over a tiny vocabulary: their ranks lie apart by far more than the graph's rounding.)"""
     model = lively_model("llama")
     heads, lm_head, embed = random_heads(model, kind=kind), model.get_output_embeddings(), model.get_input_embeddings()
     hidden = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(3))
@@ -190,12 +190,12 @@ def test_the_proposal_graph_proposes_what_the_eager_proposal_does(kind):
             tree = Tree.from_spec(spec)
             small = tree.truncated(1)
             for sub in (tree, small):
-                eager, on_graph = (propose(heads, lm_head, embed, hidden, 7, sub, tree, run=engine.candidates)
+                eager, on_graph = (guess(heads, lm_head, embed, hidden, 7, sub, tree, run=engine.candidates)
                                    for engine in (Eager(model, heads), Compiled(model, heads)))
                 assert torch.equal(eager[0], on_graph[0]) and eager[0][0] == 7
                 assert (torch.equal(eager[1], on_graph[1]) if kind == "medusa" else eager[1] == on_graph[1])
-            assert propose(heads, lm_head, embed, hidden, 7, tree, tree, run=Compiled(model, heads).candidates,
-                           keep=False)[1] is None
+            assert guess(heads, lm_head, embed, hidden, 7, tree, tree, run=Compiled(model, heads).candidates,
+                         keep=False)[1] is None
 
 
 @pytest.mark.parametrize("spec", [DEFAULT_TREE, [3, 2, 2], [[0], [1], [1, 0], [1, 1], [1, 1, 0]]])
@@ -221,7 +221,7 @@ def test_device_greedy_acceptance_equals_the_eager_rule(spec):
 
 @pytest.mark.parametrize("kind", ["medusa", "hydra"])
 def test_the_confident_tree_in_tensors_is_the_one_the_host_chooses(kind):
-    """proposal.confident_tree (fixed shapes, a batch: what a compiled step runs) against heads_draft.propose_confident
+    """candidates.confident_tree (fixed shapes, a batch: what a compiled step runs) against heads_draft.guess_confident
     (one row, on the host): the same candidates on the same paths (read through the tree tensors' chains), for trees
     smaller and larger than the heads' depth."""
     model = lively_model("llama")
@@ -236,7 +236,7 @@ def test_the_confident_tree_in_tensors_is_the_one_the_host_chooses(kind):
         for size in (1, 3, 8, 20):
             tokens, (depths, _, _, chains) = confident_tree(heads, lm_head, embed, hidden, roots, size)
             for b in range(len(roots)):
-                tree, expected, _ = propose_confident(heads, lm_head, embed, hidden[b], int(roots[b]), size, size)
+                tree, expected, _ = guess_confident(heads, lm_head, embed, hidden[b], int(roots[b]), size, size)
                 host_depths, _, _, host_chains = padded(tree, size + 1, roots.device)
                 assert tree.num_nodes == size + 1
                 assert paths(tokens[b], depths[b], chains[b]) == paths(expected, host_depths, host_chains)
@@ -316,7 +316,7 @@ def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_not
 
     def request(prompt: torch.Tensor, each_step=lambda: None) -> Row:
         batch = Batch(model, heads, compiled=True)
-        batch.engine.ahead, batch.engine.windowed, batch.engine.chunk = True, True, 8
+        batch.engine.ahead, batch.engine.windowed, batch.engine.prefill_chunk = True, True, 8
         row = batch.join(prompt, config, tree)
         with torch.inference_mode():
             batch.step()  # the first step builds the rows' device state
@@ -327,10 +327,10 @@ def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_not
 
     assert request(PROMPT).produced == 16
     before, breaks, routed = graphs(), sum(torch._dynamo.utils.counters["graph_break"].values()), compiled.host_reads
-    steps = []
-    row = request(PROMPT[:7], lambda: steps.append(compiled.host_reads))
-    assert len(steps) >= 3 and compiled.host_reads - routed == len(steps) + 1 and row.produced == 16
-    assert [b - a for a, b in zip(steps, steps[1:])] == [1] * (len(steps) - 1)
+    reads = []  # compiled.host_reads before each step
+    row = request(PROMPT[:7], lambda: reads.append(compiled.host_reads))
+    assert len(reads) >= 3 and compiled.host_reads - routed == len(reads) + 1 and row.produced == 16
+    assert [b - a for a, b in zip(reads, reads[1:])] == [1] * (len(reads) - 1)
     assert graphs() == before and sum(torch._dynamo.utils.counters["graph_break"].values()) == breaks
     with HostReads(monkeypatch) as reads:
         counts = []

@@ -83,7 +83,7 @@ def test_a_chain_follows_the_index_as_far_as_it_pays_and_misses_shorten_the_next
         chain = offered(draft, 8, cheap)
         draft.record(list(range(1, len(chain) + 1)), [0], [9], None)  # none of it accepted; the text went on with 9
         draft.context = [9, 1, 2]  # the same place again
-    assert draft.right[3] < 0.1 and len(offered(draft, 8, cheap)) < 3  # the bin of shares 0.7-0.9 missed
+    assert draft.rates.right[3] < 0.1 and len(offered(draft, 8, cheap)) < 3  # the bin of shares 0.7-0.9 missed
     draft.record([1, 2], [0, 1, 2], [3, 4, 5], None)  # both right: the context moves past the accepted tokens
     assert draft.context == [1, 2, 3, 4, 5][-ORDER:]
 

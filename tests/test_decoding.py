@@ -12,15 +12,26 @@ from dataclasses import dataclass
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_model
-from engine_helpers import (SMOLLM_ARGMAX_MARGIN, OracleHeads, assert_decisive, decode, engine_prefill,
-                            greedy_reference, lively_model, random_heads, verify)
+from engine_helpers import (
+    SMOLLM_ARGMAX_MARGIN,
+    OracleHeads,
+    assert_decisive,
+    decode,
+    engine_prefill,
+    greedy_reference,
+    lively_model,
+    random_heads,
+    verify,
+)
 from transformers import DynamicCache
 
 from medusa_decoding import MedusaModel, decoding, heads_draft
 from medusa_decoding.base import check_context, context_limit
 from medusa_decoding.cache import allocate, commit
+from medusa_decoding.compiled import Compiled
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
 from medusa_decoding.eager import Eager
+from medusa_decoding.engine import Engine
 from medusa_decoding.guard import Ladder
 from medusa_decoding.kernels import Q8Linear, native_build, reads_blocks, stock_kernels
 from medusa_decoding.tree import Tree
@@ -52,13 +63,14 @@ class Case:
         return random_heads(self.model, kind=kind, feature_layers=(1,) if name.startswith("fused") else ())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def case(family: str, attention: str = "sdpa", new_tokens: int = NEW_TOKENS) -> Case:
     seed = FAMILIES.index(family)  # else llama, qwen2 and mistral would get the very same weights
     model = lively_model(family, attention, seed)
     reference = greedy_reference(model, PROMPT, new_tokens)
     sequence = torch.cat([PROMPT, torch.tensor(reference)])
-    return Case(model, reference, OracleHeads(model, sequence, seed=seed), OracleHeads(model, sequence, seed=seed, kind="hydra"))
+    return Case(model, reference, OracleHeads(model, sequence, seed=seed),
+                OracleHeads(model, sequence, seed=seed, kind="hydra"))
 
 
 def run(model, heads, tree, max_new_tokens=NEW_TOKENS, prompt=PROMPT, eos_ids=frozenset(), medusa=True):
@@ -319,11 +331,12 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
     """expand, level by level, against one head call per node: node (r_1..r_d) holds rank r_d of head d-1 given the
     tokens of its parent's path (the root first); and a subtree's tokens are the same nodes' tokens."""
     c = case("llama")
-    heads, lm_head, embed = random_heads(c.model, kind="hydra"), c.model.get_output_embeddings(), c.model.get_input_embeddings()
+    heads, lm_head, embed = (random_heads(c.model, kind="hydra"), c.model.get_output_embeddings(),
+                             c.model.get_input_embeddings())
     tree = Tree.from_spec(TREES[tree])
     hidden, root = torch.randn(c.model.config.hidden_size), 7
     with torch.no_grad():
-        tokens, guesses = heads_draft.propose(heads, lm_head, embed, hidden, root, tree, tree)
+        tokens, guesses = heads_draft.guess(heads, lm_head, embed, hidden, root, tree, tree)
         assert tokens[0] == root
         for node, path in enumerate(tree.paths, 1):
             parent = tree.chains[node, : len(path)]  # the root .. the parent
@@ -331,7 +344,7 @@ def test_hydra_proposal_ranks_each_nodes_children_given_its_own_path(tree):
             assert tokens[node] == logits.topk(path[-1] + 1).indices[-1]
             assert guesses[path[:-1]][path[-1]] == tokens[node]
         small = tree.truncated(1)
-        sub, _ = heads_draft.propose(heads, lm_head, embed, hidden, root, small, tree)
+        sub, _ = heads_draft.guess(heads, lm_head, embed, hidden, root, small, tree)
         assert sub.tolist() == [root] + [int(tokens[tree.paths.index(p) + 1]) for p in small.paths]
     assert len({tuple(guesses[path]) for path in tree.paths if len(path) == 1 and path in guesses}) > 1  # paths matter
 
@@ -358,7 +371,7 @@ def test_confident_tree_holds_the_likeliest_paths(kind):
     hidden, root, size = torch.randn(c.model.config.hidden_size), 7, 4
     scores = {}
     with torch.no_grad():
-        tree, tokens, (tops, ranked) = heads_draft.propose_confident(heads, lm_head, embed, hidden, root, size, size)
+        tree, tokens, (tops, ranked) = heads_draft.guess_confident(heads, lm_head, embed, hidden, root, size, size)
 
         def walk(path, chain, score):
             if len(path) == 3:
@@ -373,3 +386,11 @@ def test_confident_tree_holds_the_likeliest_paths(kind):
     best = sorted(scores, key=lambda p: -scores[p][0])[:size]
     assert set(tree.paths) == set(best) and ranked == best
     assert tokens.tolist() == [root] + [scores[p][1][-1] for p in tree.paths]
+
+
+def test_both_engines_answer_every_call_of_the_engine_interface():
+    """The step never asks which engine it has: the eager and the compiled one answer every call of engine.Engine."""
+    calls = {name for name in vars(Engine) if not name.startswith("_")} | set(Engine.__annotations__)
+    assert {"verify", "commit", "device_step", "guesses_own_tokens"} <= calls
+    for engine in (Eager, Compiled):
+        assert all(hasattr(engine, name) for name in calls), engine

@@ -13,8 +13,8 @@ from engine_helpers import greedy_reference, lively_model, random_heads
 from medusa_decoding.cli import main
 from medusa_decoding.config import DistillConfig
 from medusa_decoding.model import MedusaModel
-from medusa_decoding.training.data import IGNORE_INDEX, Prompt, assistant_labels, read_prompts
 from medusa_decoding.training import distill as distill_module
+from medusa_decoding.training.data import IGNORE_INDEX, Prompt, assistant_labels, read_prompts
 from medusa_decoding.training.distill import completed_ids, distill
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -168,7 +168,8 @@ def test_cli_distills_with_sampling_and_resumes(model, tokenizer, tmp_path):
     main([*args, "--output", str(tmp_path / "a.jsonl"), "--limit", "4"])
     assert sorted(r["id"] for r in lines(tmp_path / "a.jsonl")) == ["p0", "p1", "p2", "p3"]
     main([*args, "--output", str(tmp_path / "b.jsonl"), "--limit", "4"])  # same seed, same samples
-    assert {r["id"]: r for r in lines(tmp_path / "b.jsonl")}["p3"] == {r["id"]: r for r in lines(tmp_path / "a.jsonl")}["p3"]
+    first, second = ({r["id"]: r for r in lines(tmp_path / name)} for name in ("a.jsonl", "b.jsonl"))
+    assert second["p3"] == first["p3"]
     with pytest.raises(SystemExit):
         main([*args, "--output", str(tmp_path / "c.jsonl"), "--limit", "0"])
 

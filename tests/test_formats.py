@@ -124,7 +124,7 @@ def test_medusa2_directory_loads_backbone_and_heads_from_the_same_shards(tmp_pat
 def vllm_keys(num_heads: int, num_layers: int, shared: bool = False) -> set[str]:
     """Exactly the tensors vLLM's Medusa model loads with medusa_fc_bias=True (model_executor/models/medusa.py): with
     original_lm_head, one LM head, `lm_heads.0`."""
-    blocks = {f"blocks.{h}.layers.{l}.{p}" for h in range(num_heads) for l in range(num_layers)
+    blocks = {f"blocks.{h}.layers.{layer}.{p}" for h in range(num_heads) for layer in range(num_layers)
               for p in ("weight", "bias")}
     return blocks | {f"lm_heads.{h}.weight" for h in range(1 if shared else num_heads)}
 
@@ -146,9 +146,9 @@ def test_vllm_export_has_vllms_keys_and_config_and_reads_back(tmp_path, base, pr
     assert set(written) == vllm_keys(3, 2, shared)
     ours = heads.state_dict()
     for h in range(3):
-        for l in range(2):
+        for layer in range(2):
             for p in ("weight", "bias"):
-                assert torch.equal(written[f"blocks.{h}.layers.{l}.{p}"], ours[f"heads.{h}.{l}.linear.{p}"])
+                assert torch.equal(written[f"blocks.{h}.layers.{layer}.{p}"], ours[f"heads.{h}.{layer}.linear.{p}"])
         projection_weight = lm_head.weight if shared else ours[f"heads.{h}.2.weight"]
         assert torch.equal(written[f"lm_heads.{0 if shared else h}.weight"], projection_weight)
 

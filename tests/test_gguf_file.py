@@ -6,11 +6,10 @@ the cache."""
 import shutil
 from pathlib import Path
 
+import gguf_helpers as random_gguf
 import pytest
 import torch
-from conftest import EXACT_KERNELS
-import gguf_helpers as random_gguf
-from conftest import needs_native
+from conftest import EXACT_KERNELS, needs_native
 from engine_helpers import engine_prefill, greedy_reference, random_heads, verify
 
 from medusa_decoding import MedusaModel, embedded, gguf_file

@@ -14,8 +14,16 @@ from medusa_decoding import decoding, heads_draft
 from medusa_decoding import guard as guard_module
 from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN
-from medusa_decoding.guard import (EXPLORE_EVERY, PROBE_EVERY, SWITCH_MARGIN, TIME_CLIP, Guard, Ladder,
-                                   batch_yields, yields)
+from medusa_decoding.guard import (
+    EXPLORE_EVERY,
+    PROBE_EVERY,
+    SWITCH_MARGIN,
+    TIME_CLIP,
+    Guard,
+    Ladder,
+    batch_yields,
+    yields,
+)
 from medusa_decoding.tree import build
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -154,9 +162,9 @@ def test_wrong_heads_send_the_guard_to_plain_steps_that_keep_probing(llama, monk
     model, reference, oracle = llama
     wrong = OracleHeads(model, oracle.sequence)
     wrong.luck.fill_(1.0)  # luck past ORACLE_RANK1: the true token is pushed to the bottom of every head's ranking
-    propose, choose, guessed, chosen, guards = heads_draft.propose, Guard.choose, [], [], set()
-    monkeypatch.setattr(heads_draft, "propose", lambda *args, **kw: (args[-1] is not None and guessed.append(1))
-                        or propose(*args, **kw))
+    guess, choose, guessed, chosen, guards = heads_draft.guess, Guard.choose, [], [], set()
+    monkeypatch.setattr(heads_draft, "guess", lambda *args, **kw: (args[-1] is not None and guessed.append(1))
+                        or guess(*args, **kw))
     monkeypatch.setattr(Guard, "choose", lambda guard, context, batch=1, pooled=None: guards.add(guard)
                         or chosen.append(choose(guard, context, batch, pooled)) or chosen[-1])
     promised = make_ladder(expected=tuple(1 + 0.5 * n for n in SIZES))  # 1 + 0.5 a node: the largest tree wins
@@ -217,7 +225,8 @@ def test_one_preempted_step_moves_the_estimate_by_at_most_a_bounded_factor():
         guard.record(None, [1], calibrated, 100)
     before = guard.time_factor[guard.choice]
     guard.record(None, [1], 1000 * calibrated, 100)  # later: the smoothed estimate's weight
-    assert guard.time_factor[guard.choice] - before == pytest.approx(guard_module.SMOOTHING * (TIME_CLIP * before - before))
+    assert guard.time_factor[guard.choice] - before == pytest.approx(
+        guard_module.SMOOTHING * (TIME_CLIP * before - before))
 
 
 def test_neither_a_requests_first_step_nor_a_plain_step_that_guesses_is_timed():

@@ -143,7 +143,8 @@ def test_save_and_load_round_trip_bit_identical(tmp_path, projection, kind, laye
     hidden, embeds = torch.randn(2, (1 + len(layers)) * HIDDEN), torch.randn(2, 3, HIDDEN)
     with torch.no_grad():
         assert torch.equal(heads(hidden, lm_head, embeds=embeds), loaded(hidden, lm_head, embeds=embeds))
-    assert MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype == torch.bfloat16
+    assert (MedusaHeads.from_pretrained(tmp_path / "heads", dtype=torch.bfloat16).heads[0][0].linear.weight.dtype
+            == torch.bfloat16)
 
 
 @pytest.fixture
@@ -164,7 +165,8 @@ def test_missing_directory_or_file(tmp_path, saved):
 def test_corrupt_weights_file(saved, damage):
     weights = saved / WEIGHTS_NAME
     data = weights.read_bytes()
-    weights.write_bytes({"garbage": b"\x07not safetensors" * 8, "truncated": data[: len(data) // 2], "empty": b""}[damage])
+    weights.write_bytes({"garbage": b"\x07not safetensors" * 8, "truncated": data[: len(data) // 2],
+                         "empty": b""}[damage])
     with pytest.raises(ValueError, match=f"{re.escape(str(weights))} is corrupt or unreadable"):
         MedusaHeads.from_pretrained(saved)
 
@@ -216,9 +218,11 @@ def test_config_that_does_not_match_the_weights(tmp_path, saved_as, written):
 def test_check_compatible_names_what_differs():
     heads = MedusaHeads(CONFIG)
     heads.check_compatible(HIDDEN, VOCAB)
-    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*'tiny'.*other has hidden_size=64, vocab_size=96"):
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*'tiny'"
+                                         r".*other has hidden_size=64, vocab_size=96"):
         heads.check_compatible(64, VOCAB, "other")
-    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .*has hidden_size=32, vocab_size=100"):
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96"
+                                         r" .*has hidden_size=32, vocab_size=100"):
         heads.check_compatible(HIDDEN, 100)
     fused = MedusaHeads(replace(CONFIG, feature_layers=(1, 8)))
     fused.check_compatible(HIDDEN, VOCAB, "other", num_layers=9)
@@ -227,7 +231,8 @@ def test_check_compatible_names_what_differs():
 
 
 def test_medusa_model_refuses_heads_of_another_model(smollm):
-    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .* has hidden_size=576, vocab_size=49152"):
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96"
+                                         r" .* has hidden_size=576, vocab_size=49152"):
         MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(CONFIG))
     config = smollm.heads.config
     with pytest.raises(ValueError, match="vocab_size=49151"):
@@ -235,4 +240,5 @@ def test_medusa_model_refuses_heads_of_another_model(smollm):
     with pytest.raises(ValueError, match=r"read the outputs of layers \[30\], but .* has 30 layers"):
         MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, feature_layers=(30,))))
     with pytest.raises(ValueError, match="depth 3 needs 3 heads, but only 2 exist"):
-        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)), Tree.from_spec([1, 1, 1]))
+        MedusaModel(smollm.model, smollm.tokenizer, MedusaHeads(replace(config, num_heads=2)),
+                    Tree.from_spec([1, 1, 1]))

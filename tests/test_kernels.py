@@ -20,20 +20,38 @@ import numpy as np
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native, tiny_tokenizer
-from engine_helpers import (decode, engine_prefill, greedy_reference, lively_model, random_heads, tree_mask,
-                            verify)
+from engine_helpers import decode, engine_prefill, greedy_reference, lively_model, random_heads, tree_mask, verify
 from gguf_helpers import SCALES, random_blocks
 
-from medusa_decoding import MedusaModel, gguf_file, kernels
+from medusa_decoding import MedusaModel, gguf_file, kernels, native_layers
 from medusa_decoding.config import DEFAULT_TREE, GenerationConfig
-from medusa_decoding import native_layers
 from medusa_decoding.decoding import PLAIN
 from medusa_decoding.eager import prefill, step_forward
-from medusa_decoding.kernels import (GROUPED_ATTENTION, GROUPED_SDPA, INVARIANT_ATTENTION, LARGE_PAGE, MAX_ROWS,
-                                     Q8_PATHS, BlockRows, Int8Linear, NativeLinear, Q8Linear, block_codes,
-                                     compile_error, guess_projection, load_native, native_build, q8_pack, reads_blocks,
-                                     reset_kernels, resolve_kernels, set_guess_vocab, stock_kernels,
-                                     use_kernels)
+from medusa_decoding.kernels import (
+    GROUPED_ATTENTION,
+    GROUPED_SDPA,
+    INVARIANT_ATTENTION,
+    LARGE_PAGE,
+    MAX_ROWS,
+    Q8_PATHS,
+    BlockRows,
+    Int8Linear,
+    NativeLinear,
+    Q8Linear,
+    block_codes,
+    compile_error,
+    guess_projection,
+    load_native,
+    native_build,
+    native_linears,
+    q8_pack,
+    reads_blocks,
+    reset_kernels,
+    resolve_kernels,
+    set_guess_vocab,
+    stock_kernels,
+    use_kernels,
+)
 from medusa_decoding.tree import Tree
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -57,12 +75,21 @@ def test_native_linear_is_batch_invariant_and_computes_x_wt(rows, in_features, o
     load_native()
     torch.manual_seed(rows)
     x, w = torch.randn(rows, in_features), torch.randn(out_features, in_features)
-    out = kernels.OPS.linear(x, w)  # any K (tails of 16 lanes), any N (tails of 4 rows)
+    out = kernels.native_ops().linear(x, w)  # any K (tails of 16 lanes), any N (tails of 4 rows)
     torch.testing.assert_close(out, x @ w.T, rtol=1e-5, atol=1e-4)
     for m in range(rows):  # every row exactly as computed alone, and within any batch
-        assert torch.equal(kernels.OPS.linear(x[m : m + 1], w), out[m : m + 1])
-    assert torch.equal(kernels.OPS.linear(x[rows // 2 :], w), out[rows // 2 :])
-    assert torch.equal(kernels.OPS.linear(x.T.contiguous().T, w), out)  # strided input
+        assert torch.equal(kernels.native_ops().linear(x[m : m + 1], w), out[m : m + 1])
+    assert torch.equal(kernels.native_ops().linear(x[rows // 2 :], w), out[rows // 2 :])
+    assert torch.equal(kernels.native_ops().linear(x.T.contiguous().T, w), out)  # strided input
+
+
+@needs_native
+def test_torch_compile_traces_the_engines_ops_without_a_graph_break():
+    """native_ops() is a constant to torch.compile (engine_variant): its graphs call the engine's variant's ops."""
+    linear = native_linears(torch.nn.Linear(64, 32))[0]
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(linear, backend="eager", fullgraph=True)(x), linear(x))
 
 
 def gguf_exact(weight: torch.Tensor, qtype: str) -> torch.Tensor:
@@ -97,7 +124,8 @@ def test_gguf_blocks_are_read_to_the_same_bits(qtype, bits):
     assert codes.dtype == torch.uint8 and codes.shape == (37, 96 * bits // 8) and scales.shape == (37, 3, 2)
     for rows in range(10):  # none; up to 8 tokens the blocks are decoded in registers, above into a buffer
         x = torch.randn(rows, 96)
-        assert torch.equal(kernels.OPS.linear_blocks(x, codes, scales, bits), kernels.OPS.linear(x, weight))
+        ops = kernels.native_ops()
+        assert torch.equal(ops.linear_blocks(x, codes, scales, bits), ops.linear(x, weight))
 
 
 def test_weights_that_are_not_exact_blocks_keep_float32():
@@ -198,13 +226,13 @@ def test_stock_kernels_runs_stock_inside_and_native_after():
 def test_grouped_attention_verifies_a_tree_as_sdpa_does_without_copying_keys(family, attention, monkeypatch):
     model, tree = lively_model(family), Tree.from_spec(DEFAULT_TREE)
     tokens = torch.arange(tree.num_nodes) * 7 + 3  # root + candidates
-    fallbacks, transformers_sdpa = [], kernels.sdpa_attention_forward
+    fallbacks, transformers_sdpa = [], kernels.attention.sdpa_attention_forward
 
     def counted(module, query, *args, **kwargs):  # the query lengths grouped_sdpa hands to transformers
         fallbacks.append(query.shape[2])
         return transformers_sdpa(module, query, *args, **kwargs)
 
-    monkeypatch.setattr(kernels, "sdpa_attention_forward", counted)
+    monkeypatch.setattr(kernels.attention, "sdpa_attention_forward", counted)
 
     def tree_logits(attention: str) -> torch.Tensor:
         model.set_attn_implementation(attention)
@@ -232,12 +260,14 @@ def test_every_variant_this_cpu_runs_gives_the_same_bits_and_each_is_batch_invar
         if in_features % 32 == 0:
             weights += [(gguf_exact(weight, qtype), qtype) for qtype in ("Q4_1", "Q8_0")]
         for w, qtype in weights:
-            calls = [lambda o, x: o.linear(x, w)]
+            calls = [lambda o, x, w=w: o.linear(x, w)]  # each binds this iteration's weights
             if qtype is not None:
                 codes, scales = block_codes(w)
-                packed = q8_pack(codes, scales)
-                calls += [lambda o, x: o.linear_blocks(x, codes, scales, 8 * codes.shape[1] // in_features),
-                          lambda o, x: o.linear_q8(x, *packed, out_features, -1)]
+                packed, bits = q8_pack(codes, scales), 8 * codes.shape[1] // in_features
+                calls += [
+                    lambda o, x, codes=codes, scales=scales, bits=bits: o.linear_blocks(x, codes, scales, bits),
+                    lambda o, x, packed=packed, out_features=out_features: o.linear_q8(x, *packed, out_features, -1),
+                ]
             for call in calls:
                 outs = {name: call(o, x) for name, o in ops.items()}
                 for name, out in outs.items():
@@ -354,9 +384,9 @@ def test_k_quant_linear_paths_give_the_same_bits_llama_cpps_arithmetic_and_nearl
         for at in (0, size - 1):
             batch = torch.randn(size, 512)
             batch[at] = x[4]
-            assert torch.equal(kernels.OPS.linear_k(batch, blocks, kind, -1)[at], out[4])
+            assert torch.equal(kernels.native_ops().linear_k(batch, blocks, kind, -1)[at], out[4])
     torch.testing.assert_close(out.double(), q8k_reference(x, raw, qtype), rtol=1e-5, atol=1e-4)
-    exact = x @ kernels.OPS.dequantize_gguf(blocks, kind).T
+    exact = x @ kernels.native_ops().dequantize_gguf(blocks, kind).T
     usual = [m for m in range(len(x)) if m != 1]  # the outlier's block rounds coarsely, as it does in llama.cpp
     assert float((out - exact)[usual].norm() / exact[usual].norm()) < Q8_TOLERANCE
 
@@ -402,20 +432,20 @@ def test_auto_kernels_take_the_fastest_measured_never_slower_than_stock_and_meas
     monkeypatch.setenv("MEDUSA_CACHE", str(tmp_path))
     model = gguf_model("llama")  # GGUF blocks: q8 is a candidate too
     heads = random_heads(model)
-    medusa = MedusaModel(model, tiny_tokenizer(), heads, kernels="auto")
+    medusa = MedusaModel.assemble(model, tiny_tokenizer(), heads, None, "auto")  # from_pretrained times "auto"
     record = json.loads(next((tmp_path / "kernels").glob("auto-*.json")).read_text())
     timed = {name: sum(ms) for name, ms in record["latency_ms"].items()}
     assert set(timed) == {"stock", "native", "q8"} and medusa.kernels == record["kernels"] == min(timed, key=timed.get)
     assert timed[medusa.kernels] <= timed["stock"]
     assert f"medusa: kernels auto -> {medusa.kernels}: the fastest here" in capsys.readouterr().err
     assert reads_blocks(model) == (medusa.kernels != "stock")  # switched to the pick after the others were undone
-    monkeypatch.setattr(calibrate, "measure_step_latency", None)  # cached: nothing is timed again
+    monkeypatch.setattr(calibrate.latency, "measure_step_latency", None)  # cached: nothing is timed again
     again = gguf_model("llama")
-    assert MedusaModel(again, tiny_tokenizer(), random_heads(again), kernels="auto").kernels == medusa.kernels
+    assert MedusaModel.assemble(again, tiny_tokenizer(), random_heads(again), None, "auto").kernels == medusa.kernels
 
 
 def test_auto_kernels_without_a_compiler_are_stock_with_one_line_saying_why(monkeypatch, capsys):
-    monkeypatch.setattr(kernels, "build_variant", lambda isa: "no C++ compiler: 'c++' is not on PATH")
+    monkeypatch.setattr(kernels.build, "build_variant", lambda isa: "no C++ compiler: 'c++' is not on PATH")
     kernels.native_available.cache_clear()  # it says why once a process
     try:
         model = lively_model("llama")
@@ -454,7 +484,7 @@ def test_native_linears_run_stock_above_max_rows(bias):
     x = torch.randn(MAX_ROWS + 1, 48)
     with torch.no_grad():
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))  # a prefill
-        expected = kernels.OPS.linear(x[:MAX_ROWS], layer.weight) + (layer.bias if bias else 0)
+        expected = kernels.native_ops().linear(x[:MAX_ROWS], layer.weight) + (layer.bias if bias else 0)
         assert torch.equal(layer(x[:MAX_ROWS].reshape(2, MAX_ROWS // 2, 48)).reshape(MAX_ROWS, 20), expected)
 
 
@@ -488,7 +518,8 @@ def test_a_guess_vocabulary_ranks_its_tokens_only_and_decoding_stays_lossless(fa
         best = everything.masked_fill(outside, float("-inf")).topk(3, dim=-1).values
         guesses = heads.guesses(hidden, guess_projection(native), 3)  # [K, 5, 3] token ids
         assert not outside[guesses].any() and torch.equal(everything.gather(-1, guesses), best)  # ties in any order
-    steps = list(decode(native, heads, PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS), Tree.from_spec(DEFAULT_TREE)))
+    steps = list(decode(native, heads, PROMPT, GenerationConfig(max_new_tokens=NEW_TOKENS),
+                        Tree.from_spec(DEFAULT_TREE)))
     assert [t for step, _ in steps for t in step] == reference
     set_guess_vocab(native, None)
     assert guess_projection(native).rows is None and guess_projection(native).weight.shape[0] == vocab_size
@@ -566,7 +597,8 @@ def test_under_q8_kernels_the_heads_layers_read_their_weights_rounded_to_q8_bloc
 
 def q8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
     """linear_q8's arithmetic in float64, written from its description: x per block of 32 to round(x / d), d = amax /
-    127; per block the integer sum of code * q, scaled by both d; Q4_1 adds its offset m times the block's d * sum(q)."""
+    127; per block the integer sum of code * q, scaled by both d; Q4_1 adds its offset m times the block's
+    d * sum(q)."""
     blocks = x.reshape(x.shape[0], -1, 32).double()
     d = blocks.abs().amax(-1, keepdim=True).float().div(127).double()
     q = torch.where(d > 0, blocks / d, 0).round().clamp(-127, 127)
@@ -594,7 +626,7 @@ def test_q8_activations_round_half_to_even_on_every_path():
     assert not torch.equal(x.round(), x.sign() * (x.abs() + 0.5).floor())  # the ties tell the two roundings apart
     expected = (x.round() * 127) * scales[:, 0, 0].float()  # the integer sum times d_w * d_x, rounded once
     for name in q8_paths():
-        assert torch.equal(kernels.OPS.linear_q8(x, *packed, 32, Q8_PATHS.index(name)), expected), name
+        assert torch.equal(kernels.native_ops().linear_q8(x, *packed, 32, Q8_PATHS.index(name)), expected), name
 
 
 @needs_native
@@ -612,17 +644,18 @@ def test_q8_linear_paths_give_the_same_bits_its_arithmetic_and_nearly_float32(qt
     x[0, 32:64] = 0  # a block of zero activations (where there are two)
     paths = q8_paths()
     assert "scalar" in paths and all(name in Q8_PATHS for name in paths)
-    out = {name: kernels.OPS.linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
-    fastest = kernels.OPS.linear_q8(x, *packed, out_features, -1)
-    assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max()) for n, o in out.items()}
+    out = {name: kernels.native_ops().linear_q8(x, *packed, out_features, Q8_PATHS.index(name)) for name in paths}
+    fastest = kernels.native_ops().linear_q8(x, *packed, out_features, -1)
+    assert all(torch.equal(o, fastest) for o in out.values()), {n: float((o - fastest).abs().max())
+                                                                for n, o in out.items()}
     for m in range(min(rows, 5)):  # each token as computed alone
-        assert torch.equal(kernels.OPS.linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
+        assert torch.equal(kernels.native_ops().linear_q8(x[m : m + 1], *packed, out_features, -1), fastest[m : m + 1])
     for size in range(2, 18):  # and first or last among others: in every pass size a group's tokens take (8, the rest)
         m, others = size % min(rows, 5), torch.randn(size, in_features)
         for at in (0, size - 1):
             batch = others.clone()
             batch[at] = x[m]
-            assert torch.equal(kernels.OPS.linear_q8(batch, *packed, out_features, -1)[at], fastest[m])
+            assert torch.equal(kernels.native_ops().linear_q8(batch, *packed, out_features, -1)[at], fastest[m])
     torch.testing.assert_close(fastest.double(), q8_reference(x, codes, scales, bits), rtol=1e-5, atol=1e-5)
     exact = x @ weight.T
     assert float((fastest - exact).norm() / exact.norm()) < Q8_TOLERANCE
@@ -679,7 +712,7 @@ def test_q8_linear_refuses_a_path_this_cpu_lacks():
     packed = q8_pack(*block_codes(gguf_exact(torch.randn(4, 32), "Q4_1")))
     missing = [i for i, name in enumerate(Q8_PATHS) if name not in q8_paths()] + [len(Q8_PATHS)]
     with pytest.raises(RuntimeError, match="does not run on this CPU"):
-        kernels.OPS.linear_q8(torch.randn(1, 32), *packed, 4, missing[0])
+        kernels.native_ops().linear_q8(torch.randn(1, 32), *packed, 4, missing[0])
 
 
 def test_q8_pack_interleaves_16_rows_4_codes_at_a_time_and_keeps_only_float16_scales():
@@ -701,17 +734,18 @@ def test_native_attention_is_sdpa_computed_per_query_over_the_keys_it_sees(heads
     torch.manual_seed(head_dim)
     tree = Tree.from_spec(DEFAULT_TREE)
     n, keys = tree.num_nodes, prefix + tree.num_nodes
-    q, k, v = torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim), torch.randn(1, kv_heads, keys, head_dim)
+    q, k, v = (torch.randn(1, heads, n, head_dim), torch.randn(1, kv_heads, keys, head_dim),
+               torch.randn(1, kv_heads, keys, head_dim))
     mask = torch.zeros(1, n, keys)
     mask[:, :, prefix:] = torch.where(tree.attention, 0.0, torch.finfo(torch.float32).min)
     scale = 1 / math.sqrt(head_dim)
-    out = kernels.OPS.attention(q, k, v, mask, scale)  # [B, T, H, D]
+    out = kernels.native_ops().attention(q, k, v, mask, scale)  # [B, T, H, D]
     expected = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], scale=scale,
                                                                 enable_gqa=True)
     torch.testing.assert_close(out, expected.transpose(1, 2), rtol=1e-5, atol=1e-5)
     for node in range(n):  # the same token in a one-token pass over its own keys, contiguous: the same bits
         seen = torch.cat([torch.arange(prefix), prefix + tree.attention[node].nonzero()[:, 0]])
-        alone = kernels.OPS.attention(q[:, :, node : node + 1], k[:, :, seen], v[:, :, seen], None, scale)
+        alone = kernels.native_ops().attention(q[:, :, node : node + 1], k[:, :, seen], v[:, :, seen], None, scale)
         assert torch.equal(alone[0, 0], out[0, node])
 
 
@@ -743,14 +777,15 @@ def test_native_ops_over_no_token_give_empty_outputs():
     load_native()
     k = torch.randn(1, 3, 11, 64).half()
     for rows, tokens in ((1, 0), (0, 4)):
-        out = kernels.OPS.attention(torch.randn(rows, 9, tokens, 64), k[:rows], k[:rows], torch.zeros(rows, tokens, 11),
-                                    0.125)
+        out = kernels.native_ops().attention(torch.randn(rows, 9, tokens, 64), k[:rows], k[:rows],
+                                             torch.zeros(rows, tokens, 11), 0.125)
         assert out.shape == (rows, tokens, 9, 64)
     model = use_kernels(gguf_model("llama"), "q8")
     config, (*weights, eps, scale) = model.config, native_layers.weights(model)[0]
     cache = [torch.zeros(1, config.num_key_value_heads, 32, 8, dtype=native_layers.CACHE) for _ in range(2)]
     x, columns = torch.randn(1, 0, config.hidden_size), torch.zeros(1, 0, dtype=torch.long)
-    out = kernels.OPS.layer_q8(x, *weights, *cache, columns, *torch.randn(2, 1, 0, 8), torch.zeros(1, 0, 5), eps, scale)
+    out = kernels.native_ops().layer_q8(x, *weights, *cache, columns, *torch.randn(2, 1, 0, 8), torch.zeros(1, 0, 5),
+                                        eps, scale)
     assert out.shape == x.shape
 
 
@@ -766,11 +801,11 @@ def test_native_attention_rows_of_a_batch_see_only_their_own_keys():
     k[1, :, short:width], v[1, :, short:width] = float("nan"), float("nan")
     mask = torch.zeros(2, n, width + n)
     mask[1, :, short:width] = torch.finfo(torch.float32).min
-    out = kernels.OPS.attention(q, k, v, mask, 0.125)
+    out = kernels.native_ops().attention(q, k, v, mask, 0.125)
     for row, prefix in ((0, width), (1, short)):
         seen = torch.cat([torch.arange(prefix), torch.arange(width, width + n)])
-        alone = kernels.OPS.attention(q[row : row + 1], k[row : row + 1, :, seen], v[row : row + 1, :, seen],
-                                           torch.zeros(1, n, len(seen)), 0.125)
+        alone = kernels.native_ops().attention(q[row : row + 1], k[row : row + 1, :, seen], v[row : row + 1, :, seen],
+                                               torch.zeros(1, n, len(seen)), 0.125)
         assert torch.equal(alone[0], out[row])
 
 

@@ -19,7 +19,8 @@ def test_every_mode_serves_every_request_with_the_same_answers(smollm, tmp_path)
     finally:
         smollm.trees = trees
     rows = report["rows"]
-    assert [(r["clients"], r["mode"]) for r in rows] == [(n, m) for n in (1, 3) for m in ("one-at-a-time", "plain", "medusa")]
+    assert [(r["clients"], r["mode"]) for r in rows] == [(n, m) for n in (1, 3)
+                                                         for m in ("one-at-a-time", "plain", "medusa")]
     assert all(r["requests"] == r["clients"] and r["errors"] == 0 and r["wrong_answers"] == 0 for r in rows)
     assert all(r["runs"] == 2 for r in rows) and report["config"]["repeat"] == 2  # the fastest of two runs each
     assert all(r["tokens"] == 8 * r["clients"] and r["tokens_per_s"] > 0 for r in rows)

@@ -12,8 +12,7 @@ from medusa_decoding.config import GenerationConfig
 from medusa_decoding.decoding import PLAIN, Batch
 from medusa_decoding.guard import Ladder
 from medusa_decoding.lookup import Lookup, LookupDraft
-from medusa_decoding.proposers import (DRAFT_RANK, FIXED_NODE_COST, Proposal, SoFar, StepStart, graft, step_cost,
-                                      worth)
+from medusa_decoding.proposers import DRAFT_RANK, FIXED_NODE_COST, Proposal, SoFar, StepStart, graft, step_cost, worth
 from medusa_decoding.tree import Tree, build
 
 
@@ -44,7 +43,7 @@ def test_matches_brute_force_on_random_streams(max_ngram):
         while True:
             assert lookup.tokens == stream[:at]
             for length in (0, 1, 3, 8):
-                assert lookup.propose(length) == brute_force(stream[:at], length, max_ngram), (stream[:at], length)
+                assert lookup.continuation(length) == brute_force(stream[:at], length, max_ngram), (stream[:at], length)
             confidence = brute_force(stream[:at], 1, max_ngram)[1]
             states += 1
             matched += confidence > 0
@@ -63,39 +62,39 @@ def test_matches_brute_force_on_random_streams(max_ngram):
 def test_a_repeated_sentence_proposes_its_continuation():
     sentence = [10, 11, 12, 13, 14, 15]
     lookup = Lookup([1, 2] + sentence + [3] + sentence[:3])
-    assert lookup.propose(3) == ([13, 14, 15], 3)
+    assert lookup.continuation(3) == ([13, 14, 15], 3)
     lookup.extend([13])
-    assert lookup.propose(8) == ([14, 15, 3, 10, 11, 12, 13], 4)
+    assert lookup.continuation(8) == ([14, 15, 3, 10, 11, 12, 13], 4)
 
 
 def test_no_repeat_proposes_nothing():
-    assert Lookup([1, 2, 3, 4, 5]).propose(4) == ([], 0)
-    assert Lookup([7]).propose(4) == ([], 0)
-    assert Lookup().propose(4) == ([], 0)
+    assert Lookup([1, 2, 3, 4, 5]).continuation(4) == ([], 0)
+    assert Lookup([7]).continuation(4) == ([], 0)
+    assert Lookup().continuation(4) == ([], 0)
 
 
 def test_length_zero_proposes_nothing():
-    assert Lookup([1, 2, 1, 2]).propose(0) == ([], 0)
+    assert Lookup([1, 2, 1, 2]).continuation(0) == ([], 0)
 
 
 def test_the_longest_match_wins_over_a_later_shorter_one():
     # "1 2 3" was followed by 7 long ago; "3" alone was followed by 9 more recently
     lookup = Lookup([1, 2, 3, 7, 0, 3, 9, 0, 1, 2, 3])
-    assert lookup.propose(2) == ([7, 0], 3)
+    assert lookup.continuation(2) == ([7, 0], 3)
     # with bigrams only, "2 3" still beats the later "3"
-    assert Lookup([1, 2, 3, 7, 0, 3, 9, 0, 1, 2, 3], max_ngram=2).propose(1) == ([7], 2)
+    assert Lookup([1, 2, 3, 7, 0, 3, 9, 0, 1, 2, 3], max_ngram=2).continuation(1) == ([7], 2)
 
 
 def test_the_latest_occurrence_wins_and_the_continuation_runs_into_the_suffix():
     lookup = Lookup([5, 1, 5, 2, 5])
-    assert lookup.propose(3) == ([2, 5], 1)  # after the latest earlier 5, cut at the stream's end
+    assert lookup.continuation(3) == ([2, 5], 1)  # after the latest earlier 5, cut at the stream's end
     repeating = Lookup([4, 4, 4])
-    assert repeating.propose(5) == ([4], 2)  # "4 4" ended at 1, followed only by the stream's last 4
+    assert repeating.continuation(5) == ([4], 2)  # "4 4" ended at 1, followed only by the stream's last 4
 
 
 def test_max_ngram_one_looks_at_the_last_token_only():
     lookup = Lookup([1, 2, 8, 3, 2, 9, 1, 2], max_ngram=1)
-    assert lookup.propose(2) == ([9, 1], 1)  # the latest 2, although "1 2" was followed by 8
+    assert lookup.continuation(2) == ([9, 1], 1)  # the latest 2, although "1 2" was followed by 8
     with pytest.raises(ValueError):
         Lookup(max_ngram=0)
 
@@ -108,7 +107,8 @@ def test_a_chain_follows_the_heads_path_where_they_agree_then_hangs_its_own_node
     merged_tokens = merged_tokens.tolist()
     token_of = dict(zip(merged.paths, merged_tokens[1:]))
     assert merged.num_nodes == tree.num_nodes + 2 and merged_tokens[0] == 10
-    assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:].tolist()))  # the heads' as they were
+    # the heads' as they were
+    assert all(token_of[path] == token for path, token in zip(tree.paths, tokens[1:].tolist()))
     own = (0, 0, DRAFT_RANK)
     assert [merged.paths[node - 1] for node in nodes] == [(0,), (0, 0), own, own + (DRAFT_RANK,)]
     assert [merged_tokens[node] for node in nodes] == [20, 30, 40, 50]
@@ -153,8 +153,8 @@ def test_the_chain_is_as_long_as_its_expected_tokens_pay_for():
 
 
 def test_worth_keeps_the_prefix_with_the_most_tokens_per_unit_of_time():
-    cost = lambda n: 1 + 0.25 * n  # noqa: E731
-    own = lambda *chances: [(p, False) for p in chances]  # noqa: E731  tokens the tree does not hold
+    cost = lambda n: 1 + 0.25 * n
+    own = lambda *chances: [(p, False) for p in chances]
     assert worth(own(1.0, 1.0, 1.0), 1.0, cost) == (3, 3.0)  # sure tokens: (1 + 3) / 1.75 beats the rest
     assert worth(own(0.9, 0.1, 0.9), 1.0, cost) == (1, 0.9)  # the second is unlikely: nothing after it
     assert worth(own(0.2, 0.2), 1.0, cost) == (0, 0.0)  # not worth a node
@@ -172,7 +172,7 @@ def test_worth_keeps_the_prefix_with_the_most_tokens_per_unit_of_time():
 def test_tokens_the_tree_holds_cost_no_node_and_add_no_yield():
     """A chain's first tokens that the step's tree holds already (the heads guessed them too) are verified anyway:
     they take no node and the step's yield counts them; the chain pays only with the tokens after them."""
-    cost = lambda n: 1 + 0.25 * n  # noqa: E731
+    cost = lambda n: 1 + 0.25 * n
     assert worth([(0.9, True), (0.9, False)], 1.5, cost) == (2, 0.9 * 0.9)  # (1.5 + 0.81) / 1.25 beats 1.5
     assert worth([(1.0, True), (1.0, True)], 1.0, cost) == (0, 0.0)  # the tree holds it whole: nothing to add
     assert worth([(0.5, True), (0.5, False)], 1.5, cost) == (0, 0.0)  # 0.25 a node is not worth it
@@ -197,28 +197,28 @@ def test_a_chain_is_priced_by_the_tokens_it_adds_to_the_tree():
     (right only where theirs is wrong)."""
     draft, free = LookupDraft([1, 2, 3, 4, 5, 6, 1, 2, 3], max_length=3), (lambda n: 1.0)  # "1 2 3": 4 5 6 follows
     alone = draft.propose(StepStart(3, torch.zeros(1), 0, 8, 1, None), SoFar(1.0, free, PLAIN, torch.tensor([3])))
-    assert alone.tokens == [4, 5, 6] and draft.bins == [2, 2, 2]  # a 3-token match
+    assert alone.tokens == [4, 5, 6] and draft.rates.bins == [2, 2, 2]  # a 3-token match
     agreed = draft.propose(StepStart(3, torch.zeros(1), 0, 8, 1, None),
                            SoFar(1.5, free, Tree.from_spec([[0]]), torch.tensor([3, 4])))
-    assert agreed.tokens == [4, 5, 6] and draft.bins == [2, 2, 2]
-    assert agreed.gained == pytest.approx(alone.gained - draft.right[2])  # the first token is the tree's yield
+    assert agreed.tokens == [4, 5, 6] and draft.rates.bins == [2, 2, 2]
+    assert agreed.gained == pytest.approx(alone.gained - draft.rates.right[2])  # the first token is the tree's yield
     apart = draft.propose(StepStart(3, torch.zeros(1), 0, 8, 1, None),
                           SoFar(1.5, free, Tree.from_spec([[0]]), torch.tensor([3, 7])))
-    assert apart.tokens == [4, 5, 6] and draft.bins == [2 + 4, 2, 2]  # beside the heads' 7: its own bin
-    assert draft.right[6] < draft.right[2]  # and a lower prior
+    assert apart.tokens == [4, 5, 6] and draft.rates.bins == [2 + 4, 2, 2]  # beside the heads' 7: its own bin
+    assert draft.rates.right[6] < draft.rates.right[2]  # and a lower prior
     merged, _, nodes = graft(Tree.from_spec([[0]]), torch.tensor([3, 4]), agreed)
     assert merged.num_nodes == 4 and nodes == [1, 2, 3]  # the shared token: one node
 
 
 def test_chains_that_miss_make_the_next_ones_shorter():
     draft = LookupDraft([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], max_length=8)
-    cost = lambda n: 1 + 0.1 * n  # noqa: E731
+    cost = lambda n: 1 + 0.1 * n
     before = len(kept(draft, 8, 1.0, cost))
     for _ in range(20):
         chain = kept(draft, 8, 1.0, cost)
         draft.record(list(range(1, len(chain) + 1)), [0], [], None)  # nothing of it accepted
     after = len(kept(draft, 8, 1.0, cost))
-    assert before == 2 and after == 0 and draft.right[2] < 0.15  # the 3-token match missed
+    assert before == 2 and after == 0 and draft.rates.right[2] < 0.15  # the 3-token match missed
     draft.record([1, 2], [0, 1, 2], [4, 5, 6], None)  # both right: counted, and the answer extends the index
     assert draft.index.tokens[-3:] == [4, 5, 6]
 
@@ -284,7 +284,7 @@ class FixedChain:
 
 @pytest.mark.parametrize("heads", ["medusa", "none"])
 def test_a_proposer_added_to_a_row_joins_its_tree_without_a_change_to_the_step(heads):
-    """A new source of drafts is one class: appended to a row's proposers, its chains are verified beside the heads'
+    """A new source of drafts is one class: appended to a row's drafts, its chains are verified beside the heads'
     candidates (or alone), accepted where right, the output stays plain greedy decoding's."""
     model = lively_model("llama")
     heads = None if heads == "none" else random_heads(model)
@@ -293,12 +293,12 @@ def test_a_proposer_added_to_a_row_joins_its_tree_without_a_change_to_the_step(h
     batch = Batch(model, heads)
     row = batch.join(prompt, GenerationConfig(max_new_tokens=budget, lookup=0), tree)
     fixed = FixedChain(want)
-    row.proposers.append(fixed)
-    produced, steps = [row.root], 0
+    row.drafts.append(fixed)
+    produced, taken = [row.root], 0
     while batch.rows:
         for _, new, _ in batch.step():
             produced += new
-            steps += 1
+            taken += 1
     assert produced == want
-    assert steps <= budget // (fixed.max_length + 1) + 1  # every chain was accepted whole
+    assert taken <= budget // (fixed.max_length + 1) + 1  # every chain was accepted whole
     assert all(nodes and accepted >= len(nodes) for nodes, accepted in fixed.heard[:-1])

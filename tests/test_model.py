@@ -10,16 +10,15 @@ from dataclasses import replace
 
 import pytest
 import torch
+from conftest import needs_compiler, tiny_model
 from transformers import TextIteratorStreamer, TextStreamer
 
-import medusa_decoding.model as model_module
+import medusa_decoding.text as text_module
 from medusa_decoding import GenerationConfig, HeadsConfig, MedusaHeads, MedusaModel, Tree
 from medusa_decoding.base import context_limit
 from medusa_decoding.corpus import CorpusIndex
 from medusa_decoding.formats import TREE_NAME
 from medusa_decoding.guard import Ladder
-
-from conftest import needs_compiler, tiny_model
 
 PROMPT = "Write a short story about a dragon who learns to bake bread."
 TINY_TREE = ((0,), (1,), (0, 0), (0, 1), (0, 0, 0))
@@ -156,7 +155,7 @@ def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
     """A stop string completed mid-step keeps the step's tokens up to the completing one, not the rest."""
     ids = smollm.tokenizer(" one two three four five six")["input_ids"]
     steps = [(ids[:1], 0), (ids[1:5], 3), (ids[5:], 3)]  # (tokens, candidates verified)
-    monkeypatch.setattr(model_module, "Batch", scripted(steps))
+    monkeypatch.setattr(text_module, "Batch", scripted(steps))
     out = smollm.generate("hi", stop=("two thr",))
     assert out.text == " one "
     assert out.token_ids == ids[:3] and out.accept_lengths == [1, 2] and out.tree_sizes == [0, 3]
@@ -165,9 +164,30 @@ def test_stop_string_cuts_a_multi_token_step(smollm, monkeypatch):
 
 def test_stop_strings_hold_back_a_possible_start(smollm, monkeypatch):
     ids = smollm.tokenizer(" one two three")["input_ids"]
-    monkeypatch.setattr(model_module, "Batch", scripted([([t], 0) for t in ids]))
+    monkeypatch.setattr(text_module, "Batch", scripted([([t], 0) for t in ids]))
     pieces = list(smollm.stream("hi", stop=(" two four",)))  # " two" could start it; " three" rules it out
     assert pieces == [" one", " two three"]
+
+
+# --- a tree for one call ---------------------------------------------------------------------------------
+
+
+def test_a_tree_for_one_call_decodes_as_a_model_built_with_it_and_leaves_the_models_own(tiny):
+    """generate/stream(tree=...): the call verifies that tree (what the server does for a request's `medusa.tree`),
+    exactly as a MedusaModel built with it would, greedy output stays lossless, and the model keeps its own trees."""
+    tree, own = [[0], [0, 0]], tiny.trees
+    out = tiny.generate(PROMPT, max_new_tokens=24, tree=tree, lookup=0)
+    built = MedusaModel(tiny.model, tiny.tokenizer, tiny.heads, Tree.from_spec(tree)).generate(
+        PROMPT, max_new_tokens=24, lookup=0)
+    assert (out.token_ids, out.tree_sizes) == (built.token_ids, built.tree_sizes)
+    assert max(out.tree_sizes) == 2  # the call's two candidates (fewer where the budget's end cuts the tree)
+    assert out.token_ids == tiny.generate(PROMPT, max_new_tokens=24, medusa=False).token_ids
+    assert "".join(tiny.stream(PROMPT, max_new_tokens=24, tree=tree, lookup=0)) == out.text
+    [batched] = tiny.generate([PROMPT], max_new_tokens=24, tree=tree, lookup=0)
+    assert batched.tree_sizes == out.tree_sizes
+    assert tiny.trees is own
+    with pytest.raises(ValueError, match="depth 4 needs 4 heads"):
+        tiny.generate(PROMPT, max_new_tokens=4, tree=[1, 1, 1, 1])
 
 
 # --- budgets and inputs ------------------------------------------------------------------------------------
@@ -188,7 +208,8 @@ def test_max_new_tokens_exact_on_the_embedded_default(smollm):
 def test_sampling_with_a_seed_repeats(tiny):
     """temperature as an override: acceptance "auto" must resolve to a sampling rule, not stay greedy."""
     first = tiny.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=7)
-    assert first.token_ids == tiny.generate(PROMPT, config=GenerationConfig(max_new_tokens=16, temperature=0.9, seed=7)).token_ids
+    assert first.token_ids == tiny.generate(
+        PROMPT, config=GenerationConfig(max_new_tokens=16, temperature=0.9, seed=7)).token_ids
     assert first.token_ids != tiny.generate(PROMPT, max_new_tokens=16).token_ids  # sampled, not greedy
 
 
@@ -237,7 +258,8 @@ def test_missing_model_path_names_it(tmp_path):
 
 def test_heads_for_another_model_are_refused(tmp_path):
     MedusaHeads(HeadsConfig(hidden_size=32, vocab_size=96, base_model="tiny")).save_pretrained(tmp_path)
-    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96 .* has hidden_size=576, vocab_size=49152"):
+    with pytest.raises(ValueError, match=r"built for hidden_size=32, vocab_size=96"
+                                         r" .* has hidden_size=576, vocab_size=49152"):
         MedusaModel.from_pretrained(heads=tmp_path)
 
 
@@ -268,7 +290,7 @@ def test_the_corpus_index_is_saved_and_loaded_with_the_heads_and_kept_by_views(t
     saved.save_pretrained(tmp_path)
     loaded = MedusaModel.from_pretrained(heads=tmp_path)
     assert loaded.corpus.next([101, 102]) == saved.corpus.next([101, 102]) == (103, pytest.approx(3 / 4, abs=1e-3))
-    assert loaded.with_heads(loaded.heads, [[0]]).corpus is loaded.corpus  # a request's own tree keeps the index
+    assert loaded.with_heads(loaded.heads, [[0]]).corpus is loaded.corpus  # a view with another tree keeps the index
     out = loaded.generate("Count from 100 up.", max_new_tokens=12)
     assert out.token_ids == loaded.generate("Count from 100 up.", max_new_tokens=12, corpus=0).token_ids
 
@@ -277,7 +299,7 @@ def test_an_answer_decoded_piece_by_piece_is_the_whole_decode(smollm):
     """Answer (incremental decoding) on the embedded tokenizer: after every step its text is a prefix of the whole
     answer's decoding and never ends inside a character, and once all tokens are in it is the whole decoding; the
     tokens split at random places, emoji and accents split across tokens."""
-    from medusa_decoding.model import Answer
+    from medusa_decoding.text import Answer
 
     text = "Voilà: 🤖 paints ☕ at 10:30 — naïve, déjà vu. 你好，世界！\n  def f(x):\n\treturn x ** 2"
     tokens = smollm.tokenizer.encode(text, add_special_tokens=False)

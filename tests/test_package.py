@@ -57,7 +57,7 @@ def test_the_wheel_and_the_sdist_ship_every_file_of_the_package(built):
 
 def test_an_installed_wheel_generates_from_outside_the_checkout(built, tmp_path):
     """A fresh virtual environment, the wheel and the embedded model's package, a cache holding only the converted
-    model (its conversion is not what is tested, and takes 30 s): `medusa generate` builds the native kernels from the
+    model (its conversion is not what is tested, and is slow): `medusa generate` builds the native kernels from the
     files the wheel installed, in the variant this CPU runs best, and answers on them (kernels and tree given: timing
     what runs fastest here is the demo's test, not the wheel's)."""
     venv = tmp_path / "venv"
@@ -76,6 +76,7 @@ def test_an_installed_wheel_generates_from_outside_the_checkout(built, tmp_path)
     assert run.returncode == 0, run.stderr
     assert "native CPU kernels unavailable" not in run.stderr, run.stderr  # they built from the wheel's files
     assert len(json.loads(run.stdout)["token_ids"]) == 8
-    where = subprocess.run([str(venv / "bin" / "python"), "-c", "import medusa_decoding; print(medusa_decoding.__file__)"],
+    where = subprocess.run([str(venv / "bin" / "python"), "-c",
+                            "import medusa_decoding; print(medusa_decoding.__file__)"],
                            cwd=tmp_path, env=env, capture_output=True, text=True, check=True).stdout
     assert str(venv) in where and str(ROOT) not in where  # the installed copy ran, not the checkout

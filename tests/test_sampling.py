@@ -192,7 +192,8 @@ def test_sampling_rules_at_temperature_zero_are_greedy(family, rule):
     reference = greedy_reference(model, prompt, 40)
     heads = OracleHeads(model, torch.cat([prompt, torch.tensor(reference)]))
     config = GenerationConfig(max_new_tokens=40, temperature=0, acceptance=rule)
-    steps = [new for new, _ in decode(model, heads, prompt, config, Tree.from_spec(DEFAULT_TREE), generator=torch.Generator())]
+    steps = [new for new, _ in decode(model, heads, prompt, config, Tree.from_spec(DEFAULT_TREE),
+                                      generator=torch.Generator())]
     assert [t for step in steps for t in step] == reference
     assert len(steps) < 30  # paths were accepted, not just one token per step
 

@@ -13,10 +13,12 @@ import openai
 import pytest
 import uvicorn
 
-import medusa_decoding.model as model_module
-from medusa_decoding.config import DEFAULT_MODEL
-from medusa_decoding.config import ServerConfig
-from medusa_decoding.server import MedusaOptions, RequestError, Scheduler, create_app, request_model, serving
+import medusa_decoding.text as text_module
+from medusa_decoding.config import DEFAULT_MODEL, ServerConfig
+from medusa_decoding.model import GenerationOutput, MedusaModel
+from medusa_decoding.openai_schema import MedusaOptions, RequestError
+from medusa_decoding.scheduler import Scheduler
+from medusa_decoding.server import create_app, request_trees, serving
 
 MODEL_ID = DEFAULT_MODEL.name
 MAX_TOKENS = 12
@@ -38,7 +40,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(scope="module")
 def base_url(smollm):
-    trees, smollm.tree = smollm.trees, smollm.tree  # one fixed tree: steps compared with `expected` must not follow time
+    # one fixed tree: steps compared with `expected` must not follow time
+    trees, smollm.tree = smollm.trees, smollm.tree
     with serving(create_app(smollm, MODEL_ID)) as url:
         yield url
     smollm.trees = trees
@@ -66,7 +69,8 @@ def expected(smollm):
 def chat(client, prompt: str, **kw):
     """Greedy unless kw says otherwise."""
     return client.chat.completions.create(
-        model=MODEL_ID, messages=[{"role": "user", "content": prompt}], **{"max_tokens": MAX_TOKENS, "temperature": 0, **kw}
+        model=MODEL_ID, messages=[{"role": "user", "content": prompt}],
+        **{"max_tokens": MAX_TOKENS, "temperature": 0, **kw},
     )
 
 
@@ -169,7 +173,8 @@ def test_a_full_queue_answers_503_and_the_server_serves_on(smollm):
 
 def test_completions_use_the_raw_prompt(client, expected):
     want = expected("The capital of France is", raw=True)
-    response = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=MAX_TOKENS, temperature=0)
+    response = client.completions.create(model=MODEL_ID, prompt="The capital of France is", max_tokens=MAX_TOKENS,
+                                         temperature=0)
     assert response.object == "text_completion"
     assert response.choices[0].text == want.text
     assert response.usage.completion_tokens == len(want.token_ids)
@@ -207,6 +212,23 @@ def test_per_request_tree_and_acceptance(client, expected):
     assert plain.usage.model_extra["medusa"]["steps"] == plain.usage.completion_tokens
     typical = chat(client, PROMPTS[0], extra_body={"medusa": {"acceptance": "typical", "tree": [2, 2]}})
     assert typical.usage.completion_tokens == MAX_TOKENS or typical.choices[0].finish_reason == "stop"
+
+
+def test_a_request_that_names_a_tree_decodes_on_the_loaded_model(client, smollm, expected, monkeypatch):
+    """medusa.tree is the request's own: the served model decodes with it (no second MedusaModel is built, and the
+    model keeps its tree), as generate(tree=...) does, and greedy it is still the model's own answer."""
+    tree = ((0,), (1,), (0, 0))
+
+    def built(*args, **kwargs):
+        raise AssertionError("a MedusaModel was built for a request")
+
+    own = smollm.trees
+    want = expected(PROMPTS[0], tree=tree)
+    monkeypatch.setattr(MedusaModel, "__init__", built)
+    response = chat(client, PROMPTS[0], extra_body={"medusa": {"tree": [list(path) for path in tree]}})
+    assert response.choices[0].message.content == want.text == expected(PROMPTS[0]).text  # lossless
+    assert response.usage.model_extra["medusa"]["steps"] == want.steps
+    assert smollm.trees is own
 
 
 CHAT = "/v1/chat/completions"
@@ -248,7 +270,8 @@ BAD_REQUESTS = {
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 def test_bad_request_gets_an_openai_error_and_the_server_serves_on(base_url, case):
     path, body, status, param = BAD_REQUESTS[case]
-    send = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    send = ({"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes)
+            else {"json": body})
     response = httpx.post(f"{base_url}{path}", timeout=60, **send)
     assert response.status_code == status, response.text
     assert response.headers["content-type"].startswith("application/json")
@@ -290,14 +313,15 @@ def test_client_that_leaves_frees_the_model(base_url, client, streaming):
 def test_client_that_leaves_while_queued_is_never_run(smollm, monkeypatch):
     """One row: the second request waits in the queue, its client leaves, and it is dropped without running."""
     body = {"model": MODEL_ID, "prompt": COUNTING, "max_tokens": LONG_RUN, "temperature": 0}
-    add, joined = model_module.Requests.add, []
-    monkeypatch.setattr(model_module.Requests, "add", lambda self, *args: joined.append(args) or add(self, *args))
+    add, joined = text_module.Requests.add, []
+    monkeypatch.setattr(text_module.Requests, "add", lambda self, *args: joined.append(args) or add(self, *args))
     with serving(create_app(smollm, MODEL_ID, Scheduler(max_batch=1))) as url:
         with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120) as running:
             lines = running.iter_lines()  # held: a line iterator that is collected closes the stream
             next(line for line in lines if line.startswith("data: {"))  # the model is busy with it
             with ThreadPoolExecutor(1) as pool:
-                waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+                waiting = pool.submit(httpx.post, f"{url}/v1/completions", json=body,
+                                      timeout=httpx.Timeout(60, read=1.0))
                 queued = max(health(url)["queued"] for _ in range(10))
                 with pytest.raises(httpx.ReadTimeout):  # queued behind it, then gone
                     waiting.result()
@@ -314,7 +338,7 @@ def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(ba
     def broken(*args, **kwargs):
         raise RuntimeError("the model fell over")
 
-    monkeypatch.setattr(model_module.Requests, "step", broken)
+    monkeypatch.setattr(text_module.Requests, "step", broken)
     response = httpx.post(f"{base_url}{CHAT}", json=GOOD, timeout=60)
     assert response.status_code == 500
     assert response.json()["error"] == {
@@ -329,7 +353,7 @@ def test_a_failing_generation_reports_a_server_error_and_the_server_serves_on(ba
 
 
 def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
-    """A second thread running torch work slows every thread's OpenMP workers (server.Scheduler): one thread only."""
+    """A second thread running torch work slows every thread's OpenMP workers (scheduler.Scheduler): one thread only."""
     from medusa_decoding import cli
 
     threads = {}
@@ -348,9 +372,9 @@ def test_medusa_serve_loads_the_model_on_the_thread_that_runs_it(monkeypatch):
 def test_a_tree_past_the_servers_limits_is_refused_before_it_is_built(smollm):
     for options, limits in [({"tree": [3, 2]}, {"max_tree_nodes": 8}), ({"tree": [[0], [0, 0], [0, 0, 0]]},
                                                                          {"max_tree_depth": 2})]:
-        assert request_model(smollm, MedusaOptions(**options), ServerConfig()) is not smollm  # within the defaults
+        assert request_trees(smollm, MedusaOptions(**options), ServerConfig()) is not None  # within the defaults
         with pytest.raises(RequestError, match="this server takes trees of at most") as refused:
-            request_model(smollm, MedusaOptions(**options), ServerConfig(**limits))
+            request_trees(smollm, MedusaOptions(**options), ServerConfig(**limits))
         assert refused.value.code == "tree_too_large" and refused.value.param == "medusa.tree"
 
 
@@ -382,7 +406,7 @@ def test_bursts_of_clients_that_leave_never_wedge_the_server(smollm, expected, s
     stream, after its answer), twice; then the next request is answered at once and nothing is left in flight."""
     rng = random.Random(seed)
     with serving(create_app(smollm, MODEL_ID, Scheduler(max_batch=4, max_queue=16))) as url:
-        for burst in range(3):
+        for _burst in range(3):
             clients = [({**GOOD, "messages": [{"role": "user", "content": rng.choice(PROMPTS)}], "max_tokens": 200,
                          "stream": bool(rng.getrandbits(1))}, rng.uniform(0, 0.5)) for _ in range(12)]
             with ThreadPoolExecutor(len(clients)) as pool:
@@ -398,15 +422,13 @@ def test_bursts_of_clients_that_leave_never_wedge_the_server(smollm, expected, s
 
 def test_a_failure_of_the_loop_is_logged_fails_its_requests_and_the_loop_restarts(smollm, expected, monkeypatch,
                                                                                   caplog):
-    import medusa_decoding.server as server_module
-
     def broken(out, step):
         monkeypatch.undo()  # once
         raise RuntimeError("a bug in the loop")
 
     with serving(create_app(smollm, MODEL_ID, Scheduler())) as url:
-        monkeypatch.setattr(server_module, "record", broken)
-        with caplog.at_level(logging.ERROR, logger="medusa_decoding.server"):
+        monkeypatch.setattr(GenerationOutput, "add_step", broken)
+        with caplog.at_level(logging.ERROR, logger="medusa_decoding.scheduler"):
             failed = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
         assert failed.status_code == 500 and "a bug in the loop" in failed.json()["error"]["message"]
         assert "the decoding loop failed" in caplog.text and "Traceback" in caplog.text
@@ -423,7 +445,7 @@ def test_health_says_error_once_the_loop_has_stopped(smollm, monkeypatch):
         raise SystemExit("stopped")
 
     with serving(create_app(smollm, MODEL_ID, Scheduler())) as url:
-        monkeypatch.setattr(model_module.Requests, "step", stop)
+        monkeypatch.setattr(text_module.Requests, "step", stop)
         failed = httpx.post(f"{url}{CHAT}", json=GOOD, timeout=30)
         assert failed.status_code == 500 and "the worker stopped" in failed.json()["error"]["message"]
         state = httpx.get(f"{url}/health")
@@ -469,13 +491,14 @@ def test_an_api_key_guards_every_v1_route_and_the_openai_client_sends_it(smollm,
 
 
 def test_medusa_serve_takes_its_key_from_the_option_or_the_environment(monkeypatch):
-    from medusa_decoding import cli
     import medusa_decoding.server as server_module
+    from medusa_decoding import cli
 
     keys = []
     monkeypatch.setattr(cli, "load", lambda args: "the model")
     monkeypatch.setattr(uvicorn, "run", lambda app, **options: None)
-    monkeypatch.setattr(server_module, "create_app", lambda medusa, name, scheduler, config: keys.append(config.api_key))
+    monkeypatch.setattr(server_module, "create_app",
+                        lambda medusa, name, scheduler, config: keys.append(config.api_key))
     monkeypatch.setenv("MEDUSA_API_KEY", "from-env")
     cli.main(["serve"])
     cli.main(["serve", "--api-key", "from-option"])

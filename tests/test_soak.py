@@ -9,7 +9,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-
 from serve_process import medusa_serve
 
 from medusa_decoding.config import DEFAULT_MODEL
@@ -27,7 +26,8 @@ MALFORMED = (
     b'{"model": "%s", "messages": [{"role": "user", "content": "\\ud800"}]}' % DEFAULT_MODEL.name.encode(),
     json.dumps({"model": DEFAULT_MODEL.name, "messages": [{"role": "user", "content": "Hi"}],
                 "medusa": {"tree": [5000, 5000]}}).encode(),
-    json.dumps({"model": DEFAULT_MODEL.name, "messages": [{"role": "user", "content": "Hi"}], "temperature": -1}).encode(),
+    json.dumps({"model": DEFAULT_MODEL.name, "messages": [{"role": "user", "content": "Hi"}],
+                "temperature": -1}).encode(),
 )
 MEMORY_SLACK = 16 * 2**20  # what the server may grow by after its warm-up (seen: under 1 MiB)
 

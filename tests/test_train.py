@@ -15,17 +15,18 @@ from medusa_decoding import MedusaModel, embedded
 from medusa_decoding.cli import main
 from medusa_decoding.config import HeadsConfig, TrainConfig
 from medusa_decoding.heads import MedusaHeads, run_backbone
+from medusa_decoding.training import losses as losses_module
+from medusa_decoding.training import states as states_module
 from medusa_decoding.training.data import IGNORE_INDEX, assistant_labels, build_examples, collate, read_conversations
-from medusa_decoding.training import states as states_module, train as train_module
+from medusa_decoding.training.losses import MedusaTrainingModel, heads_loss
 from medusa_decoding.training.positions import at_answers, future_labels
+from medusa_decoding.training.start import load_backbone, make_heads, prepare_backbone
 from medusa_decoding.training.states import AnswerStates
-from medusa_decoding.training.train import (
-    MedusaTrainingModel, heads_loss, heads_weight, lm_agreement, load_backbone, make_heads,
-    prepare_backbone, train,
-)
+from medusa_decoding.training.train import lm_agreement, train
+from medusa_decoding.training.trainer import heads_weight
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-I = IGNORE_INDEX
+X = IGNORE_INDEX  # a label no loss counts, short for the label tensors below
 CONFIG = TrainConfig(num_heads=3, max_steps=30, batch_size=4, learning_rate=1e-2, warmup_steps=2, save_steps=10,
                      logging_steps=5, eval_fraction=0.2)
 
@@ -33,7 +34,8 @@ CONFIG = TrainConfig(num_heads=3, max_steps=30, batch_size=4, learning_rate=1e-2
 def counting(n: int = 24, length: int = 12) -> list[list[dict]]:
     """Answers that count up word by word: every head can learn its offset."""
     return [
-        [{"role": "user", "content": "w1 w2 w3"}, {"role": "assistant", "content": " ".join(f"w{s + i}" for i in range(length))}]
+        [{"role": "user", "content": "w1 w2 w3"},
+         {"role": "assistant", "content": " ".join(f"w{s + i}" for i in range(length))}]
         for s in range(n)
     ]
 
@@ -73,16 +75,16 @@ def model_for(tokenizer, **overrides):
 
 
 def test_future_labels_shift_targets_left_by_the_offset():
-    labels = torch.tensor([[I, I, I, 13, 14, 15, 16]])
-    assert future_labels(labels, 1).tolist() == [[I, I, 13, 14, 15, 16, I]]  # the LM head: t+1
-    assert future_labels(labels, 2).tolist() == [[I, 13, 14, 15, 16, I, I]]  # head 0: t+2
+    labels = torch.tensor([[X, X, X, 13, 14, 15, 16]])
+    assert future_labels(labels, 1).tolist() == [[X, X, 13, 14, 15, 16, X]]  # the LM head: t+1
+    assert future_labels(labels, 2).tolist() == [[X, 13, 14, 15, 16, X, X]]  # head 0: t+2
 
 
 @pytest.mark.parametrize("shift, hit", [(0, True), (-1, False)])
 def test_head_k_is_trained_on_the_token_k_plus_2_ahead(shift, hit):
     """Oracle heads: head k maps the one-hot hidden state of position t to token x[t+k+2+shift]."""
     tokens = [7, 8, 9, 10, 11, 12, 13]
-    labels = torch.tensor([[I, I, I, 10, 11, 12, 13]])  # positions 0-2 are the prompt
+    labels = torch.tensor([[X, X, X, 10, 11, 12, 13]])  # positions 0-2 are the prompt
     length, vocab = len(tokens), 20
     heads = MedusaHeads(HeadsConfig(hidden_size=length, vocab_size=vocab, num_heads=3, projection="own"))
     with torch.no_grad():
@@ -108,7 +110,7 @@ def test_hydra_head_k_reads_the_tokens_t_plus_1_to_t_plus_k_plus_1(shift, hit):
     when it reads x[t+k+1] and is trained on x[t+k+2]."""
     tokens = torch.arange(3, 12)[None]  # counting: the token after a is a + 1
     labels = tokens.clone()
-    labels[0, :3] = I
+    labels[0, :3] = X
     vocab = 16
     embed = torch.nn.Embedding(vocab, vocab, _weight=torch.eye(vocab))
     heads = MedusaHeads(HeadsConfig(hidden_size=vocab, vocab_size=vocab, num_heads=3, projection="own", kind="hydra"))
@@ -134,13 +136,13 @@ def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
     for p in heads.parameters():
         torch.nn.init.normal_(p, std=0.5)
     hidden, labels = torch.randn(2, 9, 8), torch.randint(0, 5, (2, 9))
-    labels[0, :3], labels[1, 6:] = I, I  # a prompt, and padding
+    labels[0, :3], labels[1, 6:] = X, X  # a prompt, and padding
     logits = heads(hidden)  # [K, B, T, V]
     targets = [future_labels(labels, k + 2) for k in range(3)]
     at_once = sum(0.8 ** k * torch.nn.functional.cross_entropy(logits[k].flatten(0, 1), targets[k].flatten(),
-                                                                ignore_index=I) for k in range(3))
-    top1 = torch.stack([((logits[k].argmax(-1) == targets[k]) & (targets[k] != I)).sum(-1) for k in range(3)], 1)
-    monkeypatch.setattr(train_module, "LOSS_CHUNK", 4)
+                                                                ignore_index=X) for k in range(3))
+    top1 = torch.stack([((logits[k].argmax(-1) == targets[k]) & (targets[k] != X)).sum(-1) for k in range(3)], 1)
+    monkeypatch.setattr(losses_module, "LOSS_CHUNK", 4)
     state, chosen, _, rows = at_answers(hidden, labels.clamp(min=0), labels, num_heads=3)
     loss, none = heads_loss(heads, None, state, chosen, decay=0.8)
     assert none is None  # training reads no hits
@@ -153,7 +155,7 @@ def test_the_loss_in_chunks_is_the_loss_at_once(monkeypatch):
         torch.testing.assert_close(chunked, whole)
     torch.testing.assert_close(loss, at_once)
     assert hits[..., 0].tolist() == top1.tolist() and hits[..., 0].sum() > 0
-    assert hits[..., 2].tolist() == [[(t[b] != I).sum().item() for t in targets] for b in range(2)]
+    assert hits[..., 2].tolist() == [[(t[b] != X).sum().item() for t in targets] for b in range(2)]
 
 
 def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():
@@ -162,7 +164,7 @@ def test_labels_cover_exactly_the_assistant_turns_with_the_real_template():
             {"role": "user", "content": "Name a colour."}, {"role": "assistant", "content": "Blue."}]
     ids, labels = assistant_labels(tokenizer, chat)
     assert ids == tokenizer.apply_chat_template(chat, return_dict=False)
-    runs = groupby(zip(ids, labels), key=lambda pair: pair[1] != I)
+    runs = groupby(zip(ids, labels), key=lambda pair: pair[1] != X)
     spans = [tokenizer.decode([token for token, _ in run]) for trained, run in runs if trained]
     assert spans == ["Hello! How can I help?<|im_end|>\n", "Blue.<|im_end|>\n"]
 
@@ -188,7 +190,8 @@ def test_medusa1_learns_and_leaves_every_backbone_parameter_bit_identical(tokeni
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert len(recorder.groups) == 1  # the heads alone are optimised
     saved = json.loads((tmp_path / "heads" / "head_accuracy.json").read_text())
-    assert saved == json.loads(json.dumps(accuracy)) and [h["predicts"] for h in saved["heads"]] == ["t+2", "t+3", "t+4"]
+    assert saved == json.loads(json.dumps(accuracy))
+    assert [h["predicts"] for h in saved["heads"]] == ["t+2", "t+3", "t+4"]
     assert saved["heads"][0]["top5"] > 0.5
     model.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
@@ -209,7 +212,8 @@ def random_heads(model, config: TrainConfig, vocab: torch.Tensor | None):
 
 
 @pytest.mark.parametrize("kind, layers, vocab", [("medusa", (), None), ("hydra", (1,), torch.tensor([3, 9, 4, 20]))])
-def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, tmp_path, kind, layers, vocab):
+def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(tokenizer, tmp_path, kind, layers,
+                                                                               vocab):
     """AnswerStates hold exactly what training reads of a batch of conversations: forward on all of its positions
     gives the same loss and hits, with or without a guess vocabulary."""
     model = model_for(tokenizer)
@@ -220,7 +224,7 @@ def test_a_batch_of_cached_states_gives_the_loss_and_hits_of_its_conversations(t
     states = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
                           store=tmp_path, backbone="")
     # one answer each: some head's target lies in it from K+1 positions before it to 2 before its end
-    assert len(states) == sum(sum(label != I for label in e["labels"]) + 3 - 1 for e in examples)
+    assert len(states) == sum(sum(label != X for label in e["labels"]) + 3 - 1 for e in examples)
     cached = {k: torch.stack([states[i][k] for i in range(len(states))]) for k in ("state", "targets", "path")}
     with torch.no_grad():
         whole = wrapper(**collate(examples, pad_id=0))
@@ -246,21 +250,23 @@ def test_teacher_targets_are_the_frozen_models_distribution_over_each_heads_toke
         whole = wrapper(**batch)["loss"]
         hidden, state = run_backbone(model, (), input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
         state, targets, path, _ = at_answers(state, batch["input_ids"], batch["labels"], num_heads=3)
-        extra = targets[targets != I].unique()  # the batch's targets outside the vocabulary, ranked beside it
+        extra = targets[targets != X].unique()  # the batch's targets outside the vocabulary, ranked beside it
         columns = slice(None) if vocab is None else torch.cat([vocab, extra[~torch.isin(extra, vocab)]])
         teacher = model.lm_head(hidden)[..., columns].log_softmax(-1)  # [B, T, V']: the model's at each position
         guesses = heads(state, model.lm_head, embeds=model.get_input_embeddings()(path))[..., columns].log_softmax(-1)
-        positions = (torch.stack([future_labels(batch["labels"], k + 2) for k in range(3)]) != I).any(0).nonzero()
+        positions = (torch.stack([future_labels(batch["labels"], k + 2) for k in range(3)]) != X).any(0).nonzero()
 
         def by_hand(ahead: int) -> torch.Tensor:  # CE(the model at t+k+ahead, head k at t), over head k's targets
             return sum(0.8 ** k * torch.stack([-(teacher[b, t + k + ahead].exp() * guesses[k, n]).sum()
-                                               for n, (b, t) in enumerate(positions.tolist()) if targets[k, n] != I]).mean()
+                                               for n, (b, t) in enumerate(positions.tolist())
+                                               if targets[k, n] != X]).mean()
                        for k in range(3))
 
         expected = by_hand(1)
         cached = AnswerStates(model, heads, examples, pad_id=0, batch_size=len(examples), what="a test",
                               store=tmp_path, backbone="", teacher=True)
-        items = {k: torch.stack([cached[i][k] for i in range(len(cached))]) for k in ("state", "targets", "path", "ahead")}
+        items = {k: torch.stack([cached[i][k] for i in range(len(cached))])
+                 for k in ("state", "targets", "path", "ahead")}
         positions_loss = wrapper(**items)["loss"]
     torch.testing.assert_close(whole, expected)
     torch.testing.assert_close(positions_loss, expected, rtol=1e-3, atol=0)
@@ -329,7 +335,8 @@ def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, t
     original = model_for(tokenizer, tie_word_embeddings=True)
     with torch.no_grad():
         expected = original(ids).logits
-        adapted = PeftModel.from_pretrained(model_for(tokenizer, tie_word_embeddings=True), tmp_path / "out" / "adapter")
+        adapted = PeftModel.from_pretrained(model_for(tokenizer, tie_word_embeddings=True),
+                                            tmp_path / "out" / "adapter")
         with adapted.disable_adapter():
             assert torch.equal(adapted(ids).logits, expected)
         medusa = MedusaModel.from_pretrained(tmp_path / "out")  # the merged backbone + its heads
@@ -341,7 +348,8 @@ def test_medusa2_learns_and_its_merged_output_loads_in_medusa_model(tokenizer, t
     original.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
     with torch.no_grad():  # the same through the adapter: base + heads directory, or the output holding no merged model
-        assert torch.allclose(MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out").model(ids).logits, merged, atol=1e-5)
+        loaded = MedusaModel.from_pretrained(tmp_path / "base", tmp_path / "out")
+        assert torch.allclose(loaded.model(ids).logits, merged, atol=1e-5)
         shutil.rmtree(tmp_path / "out" / "model")
         (tmp_path / "out" / "adapter" / "adapter_config.json").write_text(json.dumps({
             **json.loads((tmp_path / "out" / "adapter" / "adapter_config.json").read_text()),
@@ -401,7 +409,7 @@ def test_a_run_killed_while_computing_states_goes_on_from_its_parts(tokenizer, t
     train(model_for(tokenizer), tokenizer, grown, tmp_path / "killed", config, resume=True)
     assert sum(map(len, computed)) == 28 - 4  # only the first part's conversations were read back
     assert not (tmp_path / "killed" / "states").exists()
-    whole, resumed = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "killed" / "model.safetensors")
+    whole, resumed = (load_file(tmp_path / run / "model.safetensors") for run in ("whole", "killed"))
     assert all(torch.equal(whole[k], resumed[k]) for k in whole)
 
 
@@ -415,7 +423,8 @@ def test_cli_trains_from_a_distilled_file_and_starts_from_init_heads(tokenizer, 
     common = ["--data", str(data), "--model", str(tmp_path / "base"), "--num-heads", "2", "--max-steps", "2",
               "--batch-size", "4", "--eval-fraction", "0.25"]
     main(["train", *common, "--output", str(tmp_path / "m1")])
-    main(["train", *common, "--output", str(tmp_path / "m2"), "--mode", "medusa2", "--init-heads", str(tmp_path / "m1")])
+    main(["train", *common, "--output", str(tmp_path / "m2"), "--mode", "medusa2",
+          "--init-heads", str(tmp_path / "m1")])
     assert json.loads((tmp_path / "m2" / "train_config.json").read_text())["mode"] == "medusa2"
     assert len(json.loads((tmp_path / "m2" / "head_accuracy.json").read_text())["heads"]) == 2
     with pytest.raises(SystemExit):  # checkpoints there already: resume, or another directory

@@ -36,8 +36,8 @@ def command(setup, output, processes: int, *extra, script: list[str] = ("-m", "m
                                     str(29500 + os.getpid() % 1000)] if processes > 1 else [])
     return [*launcher, *script, "train", "--data", str(setup / "data.jsonl"), "--model", str(setup / "base"),
             "--output", str(output), "--num-heads", "2", "--max-steps", str(STEPS), "--save-steps", str(SAVE_STEPS),
-            "--position-batch", str(POSITIONS // processes), "--batch-size", "4", "--eval-fraction", "0", "--lr", "1e-2",
-            "--warmup-steps", "0", *extra]
+            "--position-batch", str(POSITIONS // processes), "--batch-size", "4", "--eval-fraction", "0",
+            "--lr", "1e-2", "--warmup-steps", "0", *extra]
 
 
 def run(args: list[str], **env) -> subprocess.CompletedProcess:

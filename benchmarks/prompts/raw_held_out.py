@@ -42,8 +42,8 @@ def main() -> None:
         if q["category"] not in seen and q["category"] != "roleplay":
             seen.add(q["category"])
             prompts.append(("qa", f"Question: {q['turns'][0]}\n\nAnswer:"))
-    articles = sorted((q["turns"][0] for q in read(SHARED / "spec_bench_dev.jsonl") if q["category"] == "summarization"),
-                      key=len)[:4]
+    articles = sorted((q["turns"][0] for q in read(SHARED / "spec_bench_dev.jsonl")
+                       if q["category"] == "summarization"), key=len)[:4]
     prompts += [("prose", article.removeprefix("Summarize:").strip() + "\n\nIn short,") for article in articles]
     prompts += [("code", stdlib_function(module, name)) for module, name in CODE.items()]
     own = read(HERE / "held_out.jsonl")

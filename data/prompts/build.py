@@ -219,18 +219,18 @@ def t0_prompts(repo: Path, rng: random.Random):
             text = row["prompt"]
             if template.startswith(("cnn_dailymail", "xsum_DOC_write", "multi_news_summary", "samsum_Summarize_")):
                 body = re.sub(r"^(Summarize: )", "", text.strip()).split("\n\n===")[0].strip()
-                body = re.sub(r"\n\n(Write|Summarize|Give|Write a summary).*$", "", body, flags=re.S)
+                body = re.sub(r"\n\n(Write|Summarize|Give|Write a summary).*$", "", body, flags=re.DOTALL)
                 if 300 < len(body) < 6000:
                     passages.append(body)
-            match = re.search(r"Question: (.+?)\n.*?(?:Context|Movie plot): (.+)", text, flags=re.S)
+            match = re.search(r"Question: (.+?)\n.*?(?:Context|Movie plot): (.+)", text, flags=re.DOTALL)
             if template.startswith(("adversarial_qa_dbert_answer", "duorc_SelfRC_answer")) and match:
                 questions.append((match[2].strip(), match[1].strip()))
             match = re.search(r'Given the following passage\s+"(.+?)",\s+answer the following question\. Note that '
-                              r'the answer is present within the text\.\s+Question: (.+)', text, flags=re.S)
+                              r'the answer is present within the text\.\s+Question: (.+)', text, flags=re.DOTALL)
             if match:
                 questions.append((match[1].strip(), match[2].strip()))
             asked = text.replace("What is this question asking for?", "").strip()
-            match = re.fullmatch(r"(?:Answer this question: |Q: )?(.+?\?)\??(?:\n+A:)?", asked, flags=re.S)
+            match = re.fullmatch(r"(?:Answer this question: |Q: )?(.+?\?)\??(?:\n+A:)?", asked, flags=re.DOTALL)
             if template.startswith(("trec_fine_grained_open", "wiki_qa_Direct", "kilt_tasks_hotpotqa_straighforward",
                                     "sciq_Direct_Question_Closed")) and match:
                 question = re.sub(r"\s+\?$", "?", match[1].strip())
@@ -289,20 +289,22 @@ def math_problem(rng: random.Random) -> str:
     count, price = rng.randrange(2, 30), round(rng.uniform(low, high) * 4) / 4
     kind = rng.randrange(5)
     if kind == 0:
-        return (f"{name} buys {count} {item} at ${price:.2f} each and pays with a ${(int(count * price) // 10 + 1) * 10}"
-                f" bill. How much change does {name} get?")
+        return (f"{name} buys {count} {item} at ${price:.2f} each and pays with a"
+                f" ${(int(count * price) // 10 + 1) * 10} bill. How much change does {name} get?")
     if kind == 1:
         hours, speed = rng.randrange(2, 9), rng.randrange(30, 120)
-        return f"A train travels at {speed} km per hour for {hours} hours, then half as fast for 1 hour. How far does it go?"
+        return (f"A train travels at {speed} km per hour for {hours} hours, then half as fast for 1 hour."
+                " How far does it go?")
     if kind == 2:
         percent, total = rng.choice([10, 15, 20, 25, 30, 40]), rng.randrange(40, 400)
         return f"A jacket costs ${total}. It is on sale for {percent}% off. What is the sale price? Show your steps."
     if kind == 3:
         people = rng.randrange(3, 9)
-        return (f"{name} and {people - 1} friends share {count * people} {item} equally. {other} gives them {count} more"
-                f" to share. How many {item} does each person get in the end?")
-    return (f"{name} saves ${rng.randrange(5, 60)} every week. {other} saves twice as much but started {rng.randrange(2, 8)}"
-            f" weeks later. After {rng.randrange(10, 30)} weeks of {name} saving, who has saved more, and by how much?")
+        return (f"{name} and {people - 1} friends share {count * people} {item} equally."
+                f" {other} gives them {count} more to share. How many {item} does each person get in the end?")
+    return (f"{name} saves ${rng.randrange(5, 60)} every week."
+            f" {other} saves twice as much but started {rng.randrange(2, 8)} weeks later."
+            f" After {rng.randrange(10, 30)} weeks of {name} saving, who has saved more, and by how much?")
 
 
 def main() -> None:

@@ -11,22 +11,21 @@ import torch
 from .config import GenerationConfig
 from .tree import PAD, Tree
 
-CHUNK = 64  # logits a chunk in `argmax`
+ARGMAX_CHUNK = 64  # logits a chunk in `argmax`
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [..., V] -> [...]: the first largest logit's index, as `argmax`. On a CPU a reduction with indices runs
-    one lane at a time (SmolLM2's 49152 logits: 35 us a row, 2 threads), a maximum alone runs vectorised: the maxima
-    of chunks of CHUNK logits, the first chunk that holds the largest, the first of its logits that is it (a
-    4-node tree's rows: 41 us against 156)."""
-    if logits.device.type != "cpu" or logits.shape[-1] % CHUNK:
+    one lane at a time, a maximum alone runs vectorised: the maxima of chunks of ARGMAX_CHUNK logits, the first chunk
+    that holds the largest, the first of its logits that is it."""
+    if logits.device.type != "cpu" or logits.shape[-1] % ARGMAX_CHUNK:
         return logits.max(-1).indices
-    chunks = logits.unflatten(-1, (-1, CHUNK))  # [..., V / CHUNK, CHUNK]
+    chunks = logits.unflatten(-1, (-1, ARGMAX_CHUNK))  # [..., V / ARGMAX_CHUNK, ARGMAX_CHUNK]
     maxima = chunks.amax(-1)
     largest = maxima.amax(-1, keepdim=True)
     first = (maxima == largest).byte().argmax(-1)  # the first chunk holding the largest logit
-    chunk = chunks.gather(-2, first[..., None, None].expand(*first.shape, 1, CHUNK)).squeeze(-2)
-    return first * CHUNK + (chunk == largest).byte().argmax(-1)
+    chunk = chunks.gather(-2, first[..., None, None].expand(*first.shape, 1, ARGMAX_CHUNK)).squeeze(-2)
+    return first * ARGMAX_CHUNK + (chunk == largest).byte().argmax(-1)
 
 
 def target_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor:
@@ -48,9 +47,9 @@ def target_probs(logits: torch.Tensor, config: GenerationConfig) -> torch.Tensor
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One draw from probs [V] (any non-negative weights) by its inverse CDF: one uniform and a cumulative sum, in
-    float64. torch.multinomial takes 22x longer on a CPU (1.35 ms a draw over SmolLM2's 49152 tokens against 61 us:
-    30% of a sampled batch's step). A token of zero weight is never drawn: its interval of the CDF is empty, and a
-    uniform that rounds onto the total falls back onto the last token that has weight."""
+    float64: on a CPU torch.multinomial costs many times more, a large share of a sampled batch's step over a large
+    vocabulary. A token of zero weight is never drawn: its interval of the CDF is empty, and a uniform that rounds
+    onto the total falls back onto the last token that has weight."""
     cdf = probs.double().cumsum(-1)
     u = torch.rand((), dtype=torch.float64, generator=generator, device=probs.device) * cdf[-1]
     return int(torch.minimum(torch.searchsorted(cdf, u, right=True), torch.searchsorted(cdf, cdf[-1])))

@@ -108,7 +108,7 @@ def stack(cache: Cache, slots: int, capacity: int, like: torch.Tensor) -> list[t
     """A batch cache's buffers for `slots` rows and `capacity` positions, each layer's (keys, values): views of one
     tensor, `cache.stacked` [layers, 2, slots, kv_heads, capacity, head_dim] (zeros, typed and placed like `like`
     [B, kv_heads, T, head_dim]), so that a step's path move is one gather/scatter (commit, gather_paths), not one a
-    buffer: 60 for SmolLM2, 73 us against 4 on an H200 (benchmarks/gpu_anatomy.py), 490 against 41 on a 2-core CPU."""
+    buffer (benchmarks/gpu_anatomy.py times both)."""
     cache.stacked = like.new_zeros((len(cache.layers), 2, slots, like.shape[1], capacity, like.shape[-1]))
     if cache.stacked.is_cuda:  # CUDA graphs replay on these very buffers
         torch._dynamo.mark_static_address(cache.stacked)

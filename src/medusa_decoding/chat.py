@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from typing import TextIO
 
 from .config import GenerationConfig
-from .model import MedusaModel, TextPieces
+from .model import MedusaModel
+from .text import TextPieces
 
 USER_PROMPT = "you> "
 ASSISTANT_PROMPT = "assistant> "

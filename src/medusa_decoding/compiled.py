@@ -1,5 +1,5 @@
-"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size. `Compiled`
-has eager.Eager's functions; `decoding.Batch` takes one or the other when it is made.
+"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size. `Compiled` is
+an engine.Engine, as eager.Eager is.
 
 Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter; on a
 GPU it is bound by launching them and by the host waiting for the device. `torch.compile` removes them only where
@@ -11,13 +11,14 @@ lengths.
 A step under a fixed or confident tree, greedy or sampled (the common case: `Compiled.device_tree`), is one graph
 that leaves nothing to the host (device_graph): verify, accept (device_acceptance.py), move the accepted paths into
 place, advance the lengths, run the heads on the accepted node and write the next step's tree, all in place in
-buffers that the cache keeps (DeviceRows); the host reads back one small record a step (`read`, the one place it
+buffers that the cache keeps (DeviceRows); the host reads back one small readout a step (`read`, the one place it
 waits). On a GPU that step is captured as one CUDA graph (`capture`, one per window) and replayed on the same
 addresses request after request (whole caches are pooled per model: `cache_for`), each step launched before the last
 one is read (DeviceRows, `ahead`). The guard's picks (`--tree auto`, `confident` without a size) run verify_graph
-with greedy acceptance inside, the path mover (`cache.gather_paths`) and the proposal as graphs of their own, and
-read the accepted paths. The prefill runs eagerly on a CPU; on a GPU, whose eager launches cost more than its
-arithmetic, it goes through verify_graph `chunk` tokens at a time (`Compiled.prefill`): one graph for every length.
+with greedy acceptance inside, the path mover (`cache.gather_paths`) and the heads' candidates (candidates.py) as
+graphs of their own, and read the accepted paths. The prefill runs eagerly on a CPU; on a GPU, whose eager launches
+cost more than its arithmetic, it goes through verify_graph `prefill_chunk` tokens at a time (`Compiled.prefill`): one
+graph for every length.
 
 Inductor caches what it compiled on disk (`torch._inductor` FX graph cache, under the project's cache directory),
 so a second process compiles faster. Where compiling is unavailable (no C++ compiler for inductor on a CPU, no
@@ -34,14 +35,14 @@ from transformers import Cache, PreTrainedModel
 
 from . import cache as kv
 from .base import context_limit, sliding_window
+from .candidates import candidates, confident_tree
 from .device_acceptance import accept_greedy, accept_sampled
 from .eager import prefill
 from .heads import run_backbone
-from .proposal import candidates, confident_tree
 from .tree import Tree, on_device, padded, spanning
 
 CAPACITY = 2048  # the positions a compiled engine attends to, unless a request needs more (which compiles anew)
-CHUNK = 128  # a prompt's tokens a pass on a GPU (Compiled.prefill)
+PREFILL_CHUNK = 128  # a prompt's tokens a pass on a GPU (Compiled.prefill)
 
 
 def verify_graph(model: PreTrainedModel, cache: Cache, tokens: torch.Tensor, lengths: torch.Tensor,
@@ -66,37 +67,39 @@ def compile_settings(device_type: str) -> dict:
     return {"dynamic": False, "options": {"size_asserts": False}}
 
 
-STEPS = weakref.WeakKeyDictionary()  # model -> {step function: its compiled copy for that model}
+MODEL_GRAPHS = weakref.WeakKeyDictionary()  # model -> {step function: its compiled copy for that model}
 
 
 def model_graph(function, model: PreTrainedModel, fullgraph: bool = False, **options):
     """`function` (verify_graph, device_graph) compiled for `model` alone, without guards on its modules. Dynamo
-    would otherwise re-check some 7000 attributes of the model's modules before every step, for changes the engine
+    would otherwise re-check thousands of attributes of the model's modules before every step, for changes the engine
     never makes once use_kernels has run; the inputs' shapes stay
     guarded (one graph per tree size and batch size). Dynamo keeps its graphs per code object, so each model gets a
     copy of the function's code: no model ever runs a graph traced through another's modules. fullgraph: a graph
     break is an error; options: inductor's, over compile_settings'."""
-    steps = STEPS.setdefault(model, {})
-    if (step := steps.get(function)) is None:
+    graphs = MODEL_GRAPHS.setdefault(model, {})
+    if (step := graphs.get(function)) is None:
         fresh = types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__)
         settings = compile_settings(model.device.type)
         settings["options"] = {**settings.get("options", {}), **options,
                                "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        step = steps[function] = torch.compile(fresh, fullgraph=fullgraph, **settings)
+        step = graphs[function] = torch.compile(fresh, fullgraph=fullgraph, **settings)
     return step
 
 
 @functools.cache
 def graph(function, device_type: str):
     """`function` compiled for a device type, one graph per shape of its inputs (and per module it runs): the path
-    mover (cache.gather_paths, one graph per cache shape) and the heads' proposal (proposal.candidates, one per heads
+    mover (cache.gather_paths, one graph per cache shape) and the heads' candidates (candidates.py, one per heads
     and tree). Their modules stay guarded: a few, unlike the model's thousands (model_graph)."""
     return torch.compile(function, **compile_settings(device_type))
 
 
 class Compiled:
-    """The compiled engine's step functions, as eager.Eager's: steps of fixed shapes through graphs, and where every
-    row is under one fixed or confident tree, the whole step as one graph on the device (device_step)."""
+    """The compiled engine: steps of fixed shapes through graphs, and where every row is under one fixed or confident
+    tree, the whole step as one graph on the device (device_step)."""
+
+    guesses_own_tokens = False  # a row's own tokens change in number every step; a graph takes fixed shapes
 
     def __init__(self, model: PreTrainedModel, heads):
         self.model, self.heads = model, heads
@@ -107,19 +110,20 @@ class Compiled:
         # a CPU a step runs on the cores the host would go over it with (ahead gains nothing), and the native
         # attention skips masked columns (windows would only add graphs, compiled mid-answer)
         self.ahead = self.windowed = model.device.type == "cuda"
-        # on a GPU a prompt goes through the step's graph `chunk` tokens at a time: eagerly, a prefill's hundreds of
-        # launches from the host cost ten of SmolLM2's steps; on a CPU the work is in the arithmetic, not launches
-        self.chunk = CHUNK if model.device.type == "cuda" else 0
+        # on a GPU a prompt goes through the step's graph `prefill_chunk` tokens at a time: eagerly, a prefill's
+        # hundreds of launches from the host cost several steps; on a CPU the work is in the arithmetic, not launches
+        self.prefill_chunk = PREFILL_CHUNK if model.device.type == "cuda" else 0
 
     def cache(self, batch) -> Cache:
         return cache_for(batch, self.model)
 
     def prefill(self, prompt: torch.Tensor) -> tuple[Cache, torch.Tensor, torch.Tensor]:
-        """Eager.prefill's outcome; with a `chunk`, passes of `chunk` tokens (a chain through verify_graph: one graph
-        whatever the prompt's length) into a one-row whole cache kept for the next prompt. The last pass ends at the
-        prompt's end (it computes again what the one before wrote: the same entries); a shorter prompt's pass is
+        """Eager.prefill's outcome; with a `prefill_chunk`, passes of that many tokens (a chain through verify_graph:
+        one graph whatever the prompt's length) into a one-row whole cache kept for the next prompt. The last pass ends
+        at the prompt's end (it computes again what the one before wrote: the same entries); a shorter prompt's pass is
         padded past it, entries the row never keeps."""
-        if not self.chunk:
+        chunk = self.prefill_chunk
+        if not chunk:
             return prefill(self.model, prompt, prompt.shape[-1], self.layers)
         length, device = prompt.shape[-1], prompt.device
         cache = PREFILLS.get(self.model)
@@ -130,15 +134,15 @@ class Compiled:
             # graph (a graph break there left its remainder compiled without the model's guards: another model's)
             prefill(self.model, prompt[:1], 1, self.layers)
             RECORDING.add(self.model)
-        kv.reserve(cache, 1, max(length, self.chunk))
-        tokens = torch.zeros(max(length, self.chunk), dtype=torch.long, device=device)
+        kv.reserve(cache, 1, max(length, chunk))
+        tokens = torch.zeros(max(length, chunk), dtype=torch.long, device=device)
         tokens[:length] = prompt
-        starts = [*range(0, length - self.chunk, self.chunk), max(0, length - self.chunk)]
+        starts = [*range(0, length - chunk, chunk), max(0, length - chunk)]
         for start in starts:
-            kv.place(cache, [start], self.chunk)
+            kv.place(cache, [start], chunk)
             logits, states, _ = model_graph(verify_graph, self.model)(
-                self.model, cache, tokens[start: start + self.chunk].unsqueeze(0), torch.tensor([start], device=device),
-                *chain(self.chunk, device), self.layers)
+                self.model, cache, tokens[start: start + chunk].unsqueeze(0), torch.tensor([start], device=device),
+                *chain(chunk, device), self.layers)
         kv.settle(cache, [length], [[]])
         last = length - 1 - starts[-1]  # the prompt's last token, in the last pass
         return cache, logits[0, last].clone(), states[0, last].clone()
@@ -148,9 +152,9 @@ class Compiled:
         return max(plan.nodes for plan in plans)
 
     def candidates(self, *args, own=None):
-        """proposal.candidates as a graph (one per heads and tree); copies: a CUDA graph's outputs live until its
-        next replay. Its rows have no `own` tokens (Batch.own_tokens): their number changes every step, and a graph
-        takes fixed shapes (the guess vocabulary alone, as on the device step)."""
+        """candidates.candidates as a graph (one per heads and tree); copies: a CUDA graph's outputs live until its
+        next replay. Its rows have no `own` tokens (guesses_own_tokens): the guess vocabulary alone, as on the device
+        step."""
         return tree_map(torch.clone, graph(candidates, self.model.device.type)(*args))
 
     def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, list[tuple[list[int], int]]]:
@@ -184,13 +188,14 @@ class Compiled:
         """(the tree of a step that can run whole on the device, whether its nodes are chosen anew each step: a
         confident tree, of which `tree` is the shape), else None: every row under the same fixed or confident tree
         (not the guard's pick), positions within the model's context for this step and one more (run ahead)."""
-        ladders = {(id(ladder.tree), ladder.confident): ladder for ladder in (row.heads.guard.ladder for row in rows)}
-        if len(ladders) != 1 or any(row.heads.guard.watching for row in rows):
+        fixed = [row.heads_draft.fixed_tree() for row in rows]
+        trees = {(id(tree), confident): (tree, confident) for tree, confident in fixed} if None not in fixed else {}
+        if len(trees) != 1:
             return None
-        ladder, = ladders.values()
-        tree = spanning(ladder.tree.num_nodes - 1, self.heads.config.num_heads) if ladder.confident else ladder.tree
+        (tree, confident), = trees.values()
+        tree = spanning(tree.num_nodes - 1, self.heads.config.num_heads) if confident else tree
         within = max(row.length for row in rows) + 2 * tree.depth + 1 < context_limit(self.model)
-        return (tree, ladder.confident) if within else None
+        return (tree, confident) if within else None
 
     def device_step(self, batch) -> tuple[Tree, list[list[int]]] | None:
         """The step as one graph on the device and one read of it (device_graph) -> (its tree, the tokens each row
@@ -210,12 +215,12 @@ class Compiled:
         window = self.attend(batch.cache, needed)
         if self.device_rows is None:
             device, shape = self.model.device, None
-            if confident:  # every row's first tree at once (proposal.confident_tree), its tensors as the step's
+            if confident:  # every row's first tree at once (candidates.confident_tree), its tensors as the step's
                 tokens, shape = confident_tree(self.heads, batch.lm_head, batch.embed,
                                                torch.stack([row.heads_input for row in rows]),
                                                torch.tensor([row.root for row in rows], device=device),
                                                tree.num_nodes - 1)
-            else:  # each row's first tree through the proposal graph of one row: one graph whatever the batch size
+            else:  # each row's first tree through the candidates' graph of one row: one graph whatever the batch size
                 k, tree_here = tree.topk_per_head(), on_device(tree, device)
                 tokens = torch.stack([
                     torch.tensor([row.root], device=device) if tree.num_nodes == 1 else
@@ -228,10 +233,6 @@ class Compiled:
     def attend(self, cache: Cache, needed: int) -> int:
         """kv.attend where the engine is `windowed`, else every column."""
         return kv.attend(cache, needed if self.windowed else cache.layers[0].capacity)
-
-    def settled(self) -> None:
-        """After the rows moved on as the device step said."""
-        self.device_rows.seen = self.device_rows.now()
 
 
 @functools.cache
@@ -246,7 +247,7 @@ MOVED = weakref.WeakKeyDictionary()
 
 
 def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, tokens: torch.Tensor,
-                 lengths: torch.Tensor, columns: torch.Tensor, heads_input: torch.Tensor, record: torch.Tensor,
+                 lengths: torch.Tensor, columns: torch.Tensor, heads_input: torch.Tensor, readout: torch.Tensor,
                  depths: torch.Tensor, parents: torch.Tensor, attention: torch.Tensor, chains: torch.Tensor, tree,
                  layers: tuple[int, ...], k: int, sampling: tuple | None = None, filters: bool = False,
                  confident: bool = False) -> None:
@@ -255,11 +256,11 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     accept (greedily; where `sampling` holds the rows' parameters, device_acceptance.accept_sampled's rules with
     `filters`), move the accepted paths into place (an identity move costs what any other does), advance
     `lengths`, keep the accepted node's heads' input state in `heads_input` [B, S], write the next step's tree tokens
-    (the next root, then the heads' guesses over `tree`: proposal.candidates; `confident`: each row's likeliest nodes,
-    proposal.confident_tree, their tree written over depths .. chains) into `tokens`, and the step's outcome into
-    `record` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates, then the token
-    after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
-    width = record.shape[1] - 1
+    (the next root, then the heads' guesses over `tree`: candidates.candidates; `confident`: each row's likeliest
+    nodes, candidates.confident_tree, their tree written over depths .. chains) into `tokens`, and what the host reads
+    of the step into `readout` [B, 1 + W]: the accepted count n, then the n tokens produced (the path's candidates,
+    then the token after them). W: the tree's depth + 1, its longest path. heads: None for plain decoding."""
+    width = readout.shape[1] - 1
     columns.copy_(lengths[:, None] + torch.arange(tokens.shape[1], device=tokens.device))
     logits, state, accepted = verify_graph(model, cache, tokens, lengths, depths, parents, attention, chains, layers)
     if sampling is not None:  # (the greedy outcome then goes unused, and the compiler drops it)
@@ -271,7 +272,7 @@ def device_graph(model: PreTrainedModel, heads, lm_head, embed, cache: Cache, to
     heads_input.copy_(state.gather(1, last[:, :, None].expand(-1, -1, state.shape[-1]))[:, 0])
     produced = torch.cat([tokens.gather(1, path[:, 1:]), tokens[:, :1]], 1)  # the path's candidates, then room
     after = torch.arange(width, device=tokens.device) == count[:, None] - 1
-    record.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
+    readout.copy_(torch.cat([count[:, None], torch.where(after, root[:, None], produced)], 1))
     lengths.add_(count)
     if confident:  # the next step's tree too: each row's likeliest nodes
         new, shape = confident_tree(heads, lm_head, embed, heads_input, root, tokens.shape[1] - 1)
@@ -296,32 +297,32 @@ def read(tensor: torch.Tensor, ready: torch.cuda.Event | None = None) -> list:
 
 
 # what a device step changes, besides the cache (a confident step, the tree tensors too)
-STATE = ("tokens", "lengths", "columns", "heads_input", "record", "depths", "parents", "attention", "chains")
+STATE = ("tokens", "lengths", "columns", "heads_input", "readout", "depths", "parents", "attention", "chains")
 
 
 class DeviceRows:
     """A batch's rows as device_graph steps them, in buffers that the cache keeps for this tree, heads and batch size
     (on a GPU the step is one CUDA graph per attended window that replays on those very addresses, request after
     request): the STATE (the next tree tokens [B, T], lengths [B], write columns [B, T], heads' input states [B, S],
-    the last step's record [B, 1 + W], the tree's tensors: a confident step writes them too). Built from the rows'
+    the last step's readout [B, 1 + W], the tree's tensors: a confident step writes them too). Built from the rows'
     own state (root, heads' input, length) whenever they change by other means than `step` (a row joins or leaves,
     another tree, a step taken elsewhere): `holds` says whether it still stands for them, and `release` gives the
     rows their state back.
 
-    ahead: each step launches the next one before it reads its own record (the record copied to the host behind it),
+    ahead: each step launches the next one before it reads its own readout (copied to the host behind it),
     as vLLM's and SGLang's asynchronous schedulers do, so the device never waits for the host to go over a step; a
     step run ahead for rows that then change (one ends) is dropped, its cache writes past every row's entries.
     """
 
     def __init__(self, rows: list, tree, heads, tokens: torch.Tensor, cache: Cache, ahead: bool = False,
                  confident: tuple[torch.Tensor, ...] | None = None):
-        """tokens [B, T]: each row's tree tokens for its next step (the heads' proposal); confident: the tensors of
+        """tokens [B, T]: each row's tree tokens for its next step (the heads' candidates); confident: the tensors of
         each row's tree (tree.from_parents) where the step chooses its nodes anew each time, of the shape `tree`."""
         self.tree, self.rows, self.heads, self.ahead = tree, rows, heads if tree.num_nodes > 1 else None, ahead
         self.confident = confident is not None
         self.buffers = buffers_for(cache, tree, self.heads, len(rows), rows[0].heads_input, self.confident)
         self.state = [self.buffers[name] for name in STATE]
-        self.tokens, self.lengths, self.columns, self.heads_input, self.record = self.state[:5]
+        self.tokens, self.lengths, self.columns, self.heads_input, self.readout = self.state[:5]
         self.tokens.copy_(tokens)
         for buffer, value in zip(self.state[5:], confident or ()):
             buffer.copy_(value)
@@ -340,8 +341,8 @@ class DeviceRows:
         placed = (self.buffers["rows_index"], slice(None), self.columns)
         for layer in cache.layers:
             layer.placed = placed
-        self.launched: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # records of steps not read yet
-        self.slot = 0  # the host buffer the next record goes to (two: one being read, one on its way)
+        self.launched: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []  # readouts of steps not read yet
+        self.slot = 0  # the host buffer the next readout goes to (two: one being read, one on its way)
         self.seen = self.now()
 
     def now(self) -> list[tuple[int, int]]:
@@ -355,8 +356,9 @@ class DeviceRows:
 
     def step(self, model: PreTrainedModel, lm_head, embed, cache: Cache, layers: tuple[int, ...], window: int
              ) -> list[list[int]]:
-        """One step (device_graph over `window` columns, kv.attend) -> the tokens each row produced; the caller then
-        moves the rows on (Compiled.settled)."""
+        """One step (device_graph over `window` columns, kv.attend) -> the tokens each row produced. The rows are then
+        `seen` where the host moves them (decoding.Batch.advance_on_device): each past all it produced (one that stops
+        short, at an EOS or its budget, leaves the batch)."""
         def run() -> None:  # on a GPU captured here, not by inductor
             model_graph(device_graph, model, fullgraph=True, **{"triton.cudagraphs": False})(
                 model, self.heads, lm_head, embed, cache, *self.state, self.buffers["tree"], layers=layers,
@@ -364,10 +366,12 @@ class DeviceRows:
 
         for _ in range(1 + self.ahead - len(self.launched)):
             self.launch(run, cache, window)
-        return [row[1: 1 + row[0]] for row in read(*self.launched.pop(0))]
+        produced = [row[1: 1 + row[0]] for row in read(*self.launched.pop(0))]
+        self.seen = [(new[-1], length + len(new)) for (_, length), new in zip(self.seen, produced)]
+        return produced
 
     def launch(self, run, cache: Cache, window: int) -> None:
-        """Runs (on a GPU replays) a step, and copies its record to the host behind it."""
+        """Runs (on a GPU replays) a step, and copies its readout to the host behind it."""
         if self.launched:  # the state after the step not read yet, for `release`
             self.buffers["before"].copy_(self.heads_input)
         if self.tokens.is_cuda:
@@ -379,7 +383,7 @@ class DeviceRows:
         else:
             run()
         host, self.slot = self.buffers["host"][self.slot], 1 - self.slot
-        host.copy_(self.record, non_blocking=True)
+        host.copy_(self.readout, non_blocking=True)
         ready = torch.cuda.Event() if self.tokens.is_cuda else None
         if ready is not None:
             ready.record()
@@ -432,14 +436,14 @@ def buffers_for(cache: Cache, tree, heads, rows: int, like: torch.Tensor, confid
         long = {"dtype": torch.long, "device": device}
         found = pool[key] = {
             "tokens": torch.zeros(rows, nodes, **long), "lengths": torch.zeros(rows, **long),
-            "columns": torch.zeros(rows, nodes, **long), "record": torch.zeros(rows, 1 + width, **long),
+            "columns": torch.zeros(rows, nodes, **long), "readout": torch.zeros(rows, 1 + width, **long),
             "heads_input": torch.zeros(rows, like.shape[-1], dtype=like.dtype, device=device),
             "rows_index": torch.arange(rows, device=device)[:, None], "graphs": {}}
         found["before"] = torch.empty_like(found["heads_input"])  # DeviceRows.launch
         # temperature, top_k, top_p, typical, epsilon, delta, key (device_acceptance.accept_sampled)
         found["sampling"] = tuple(torch.zeros(rows, dtype=dtype, device=device) for dtype in (
             torch.float, torch.long, torch.float, torch.bool, torch.float, torch.float, torch.long))
-        found["host"] = [torch.empty(found["record"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
+        found["host"] = [torch.empty(found["readout"].shape, dtype=torch.long, pin_memory=device.type == "cuda")
                          for _ in range(2)]
         for name, tensor in zip(STATE[5:], padded(tree, nodes, device)):  # copies: a confident step writes them
             found[name] = tensor.repeat(rows, *(1,) * tensor.dim())

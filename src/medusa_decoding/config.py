@@ -220,7 +220,8 @@ DEFAULT_MODEL = DefaultModel()
 
 def cache_root() -> Path:
     """Where the project keeps what it makes once per machine: $MEDUSA_CACHE, else the user's cache directory."""
-    base = os.environ.get("MEDUSA_CACHE") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-decoding"
+    base = (os.environ.get("MEDUSA_CACHE")
+            or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "medusa-decoding")
     return Path(base)
 
 
@@ -260,7 +261,8 @@ class CalibrateConfig:
     guess_vocab: int = 4096  # the heads guess from the tokens the answers use most (kernels.set_guess_vocab); 0: all
 
     def __post_init__(self):
-        for name in ("top_k", "max_nodes", "max_positions", "simulated_positions", "max_length", "batch_size", "latency_repeats"):
+        for name in ("top_k", "max_nodes", "max_positions", "simulated_positions", "max_length", "batch_size",
+                     "latency_repeats"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if not self.latency_contexts or not all(isinstance(n, int) and n >= 1 for n in self.latency_contexts):

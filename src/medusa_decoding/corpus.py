@@ -5,14 +5,14 @@ most frequent continuation of the longest matching context is the model's next g
 heads' top guess, and a chain of them costs no model call at all.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
 from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
-from .proposers import Proposal, SoFar, StepStart, priors, tally, worth
+from .proposers import ChainRates, Proposal, SoFar, StepStart
 
 ORDER = 4  # the longest context matched: more matched rarely and added little on SmolLM2's answers
 MIN_SEEN = 4  # contexts seen fewer times are left out: a fraction of the bytes, as many tokens a step
@@ -115,35 +115,24 @@ class CorpusDraft:
     def __init__(self, index: CorpusIndex, tokens: Sequence[int], max_length: int):
         self.index, self.max_length = index, max_length
         self.context = list(tokens[-ORDER:])
-        # per share bin, then per share bin beside the tree's candidates: P(a chain token is right | the one before was)
-        self.right = priors(SHARES)
-        self.counted = [0] * len(self.right)
-        self.bins: list[int] = []  # the bins of the last chain offered
+        self.rates = ChainRates(SHARES)  # a bin per share
 
     def propose(self, start: StepStart, step: SoFar) -> Proposal:
         """The index's chain from the row's last tokens, as much of it as pays (Proposer.propose): the index is
         followed one token at a time, as long as `worth` reads on."""
-        chain, shares, self.bins = [], [], []
+        return self.rates.offer(self.follow(min(self.max_length, start.budget)), step, self.max_length)
 
-        def follow():  # the index's tokens from the row's last ones, one at a time
-            context = list(self.context)
-            while len(chain) < min(self.max_length, start.budget) and (found := self.index.next(context)) is not None:
-                token, share = found
-                chain.append(token)
-                context.append(token)
-                shares.append(share)
-                yield token
-
-        def chances():
-            for held, apart in step.places(follow()):
-                self.bins.append(int(np.searchsorted(SHARES, shares[-1], side="right")) - 1 + len(SHARES) * apart)
-                yield self.right[self.bins[-1]], held
-
-        keep, gained = worth(chances(), step.tokens, step.cost)
-        self.bins = self.bins[:keep]
-        return Proposal.chain(chain[:keep], gained, self.max_length)
+    def follow(self, length: int) -> Iterator[tuple[int, int]]:
+        """Up to `length` tokens of the index from the row's last ones, one at a time, each with its share's bin."""
+        context = list(self.context)
+        for _ in range(length):
+            if (found := self.index.next(context)) is None:
+                return
+            token, share = found
+            context.append(token)
+            yield token, int(np.searchsorted(SHARES, share, side="right")) - 1
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         """Counts which chain tokens were right, then moves the context on."""
-        tally(self.right, self.counted, self.bins, nodes, path)
+        self.rates.tally(nodes, path)
         self.context = (self.context + list(new))[-ORDER:]

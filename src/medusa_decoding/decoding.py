@@ -6,7 +6,8 @@ patched model code. A Batch decodes several sequences together, one forward pass
 rows join (their prefill) and leave at any step, each with its own positions, cache entries, acceptance rule and
 random generator; a single request is a batch of one. A row's step verifies what its proposers offer (proposers.py):
 first its heads, the tree its guard picks (guard.py) under `--tree auto`, else always the one given; then its lookup
-and corpus drafts, grafted onto it.
+and corpus drafts, grafted onto it. The batch's engine (engine.py: eager or compiled) runs the passes, and where it
+can, the whole step on the device.
 """
 
 import time
@@ -18,17 +19,16 @@ from transformers import PreTrainedModel
 from . import cache as kv
 from .acceptance import RULES, argmax, sample, target_probs
 from .base import check_context
-from .compiled import Compiled
 from .config import GenerationConfig
 from .corpus import CorpusDraft, CorpusIndex
 from .device_acceptance import draw_key
-from .eager import Eager, Packed
+from .engine import Engine, Packed, engine_for
 from .guard import Guard, Ladder, batch_yields
 from .heads import MedusaHeads, OwnTokens
 from .heads_draft import HeadsDraft
 from .kernels import guess_projection
 from .lookup import LookupDraft
-from .proposers import Proposer, SoFar, StepStart, drafted, graft, step_cost
+from .proposers import Proposer, SoFar, StepStart, drafted, graft
 from .tree import Tree, build, padded
 
 PLAIN = build(())  # the root alone: plain one-token-per-step decoding in the same engine
@@ -48,15 +48,16 @@ class Row:
     root: int  # the last token produced: the root of the next step's tree
     heads_input: torch.Tensor  # [S] the heads' input state at the token before the root, which they guess from
     length: int  # the row's cache entries: the prompt and every token before the root
-    proposers: list[Proposer]  # every source of candidates, the row's HeadsDraft first (proposers.py)
+    heads_draft: HeadsDraft  # the heads' candidates: their guard prices every step, and the device step runs them
+    drafts: list[Proposer]  # the other sources of candidates, grafted onto the heads' tree in turn (proposers.py)
     produced: int = 1  # tokens produced so far, the root included
     drafted: int = 0  # of the last step's tokens, those only a chain proposed
     key: int = 0  # what a sampled row's draws on the device step depend on, beside its length (device_acceptance)
 
     @property
-    def heads(self) -> HeadsDraft:
-        """The heads' candidates: their guard's ladder prices every step, and the device step runs them."""
-        return self.proposers[0]
+    def proposers(self) -> list[Proposer]:
+        """Every source of candidates, in the order they propose: the heads' draft, then the others."""
+        return [self.heads_draft, *self.drafts]
 
     @property
     def done(self) -> bool:
@@ -76,13 +77,13 @@ class Plan:
 class Batch:
     """Sequences decoded together: `join` prefills one, `step` runs one forward pass for every row and returns what
     each produced; a row leaves by itself when done (budget, EOS), or by `leave` (a stop string, a cancelled
-    request). The cache's rows follow `rows`. compiled: the engine that runs the steps, compiled.Compiled, else
-    eager.Eager."""
+    request). The cache's rows follow `rows`. compiled: whether the engine that runs the steps is the compiled one
+    (engine.engine_for)."""
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None, compiled: bool = False):
         self.model, self.heads, self.lm_head = model, heads, guess_projection(model)  # the guesses' projection
         self.embed = model.get_input_embeddings()  # what hydra heads read of the tokens before their guess
-        self.engine = (Compiled if compiled else Eager)(model, heads)
+        self.engine: Engine = engine_for(model, heads, compiled)
         self.cache = self.engine.cache(self)
         self.rows: list[Row] = []
 
@@ -92,7 +93,8 @@ class Batch:
         """Prefills prompt [T] and returns its row, whose root is the first token; a row done already (EOS, a budget
         of one) is not added. corpus: the index its corpus drafts follow (the heads', where they have one)."""
         check_context(self.model, prompt.shape[-1], config.max_new_tokens)
-        ladder = Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder) else Ladder.fixed(trees)
+        ladder = (Ladder.fixed(PLAIN) if not config.medusa else trees if isinstance(trees, Ladder)
+                  else Ladder.fixed(trees))
         for tree in ladder.trees:
             if tree.num_nodes > 1:
                 tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
@@ -100,23 +102,25 @@ class Batch:
             cache, logits, state = self.engine.prefill(prompt)
             root = first_token(logits, config, generator)
             seen = prompt.tolist() + [root]
-            heads = HeadsDraft(self.heads, self.lm_head, self.embed, self.engine.candidates, Guard(ladder, root),
-                               self.own_tokens(seen) if config.medusa else None, timed=config.seed is None)
+            heads_draft = HeadsDraft(self.heads, self.lm_head, self.embed, self.engine.candidates, Guard(ladder, root),
+                                     self.own_tokens(seen) if config.medusa else None, timed=config.seed is None)
             drafts = [LookupDraft(seen, config.lookup)] if config.medusa and config.lookup else []
             if config.medusa and config.corpus and corpus is not None:
                 drafts.append(CorpusDraft(corpus, seen, config.corpus))
-            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], [heads, *drafts],
+            row = Row(config, eos_ids, generator, root, state, prompt.shape[-1], heads_draft, drafts,
                       key=draw_key(generator) if config.temperature > 0 else 0)
             if not row.done:
                 # the row holds at most its prompt, every new token but the last, and one tree
-                kv.insert(self.cache, cache, row.length + config.max_new_tokens + max(t.num_nodes for t in ladder.trees))
+                largest = max(tree.num_nodes for tree in ladder.trees)
+                kv.insert(self.cache, cache, row.length + config.max_new_tokens + largest)
                 self.rows.append(row)
         return row
 
     def own_tokens(self, tokens: list[int]) -> OwnTokens | None:
-        """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it (not on the
-        compiled engine: its graphs take fixed shapes)."""
-        vocabulary = None if self.heads is None or isinstance(self.engine, Compiled) else self.heads.guess_rows(self.lm_head)
+        """A row's own tokens beside the heads' guess vocabulary, where they guess from part of it and the engine takes
+        them (Engine.guesses_own_tokens)."""
+        vocabulary = (None if self.heads is None or not self.engine.guesses_own_tokens
+                      else self.heads.guess_rows(self.lm_head))
         if vocabulary is None:
             return None
         return OwnTokens(vocabulary, self.model.get_output_embeddings(), tokens)
@@ -135,7 +139,7 @@ class Batch:
     def step_on_host(self) -> list[tuple[Row, list[int], int]]:
         """plan -> pack -> verify -> accept -> commit -> advance."""
         start, rows = time.perf_counter(), list(self.rows)
-        plans = [self.plan(row, mean) for row, mean in zip(rows, batch_yields([row.heads.guard for row in rows]))]
+        plans = [self.plan(row, mean) for row, mean in zip(rows, batch_yields([row.heads_draft.guard for row in rows]))]
         packed = self.pack(rows, plans)
         logits, states, greedy = self.engine.verify(self.cache, packed)
         accepted = [greedy[b] if greedy is not None and row.config.temperature == 0
@@ -158,7 +162,7 @@ class Batch:
                           len(self.rows), pooled)
         tree, tokens, yields, room, chains = PLAIN, torch.tensor([row.root], device=row.heads_input.device), 1.0, 0, []
         for proposer in row.proposers:
-            cost = step_cost(row.heads.guard.ladder, row.length, len(self.rows), tree.num_nodes)
+            cost = row.heads_draft.step_cost(row.length, len(self.rows), tree.num_nodes)
             proposal = proposer.propose(start, SoFar(yields, cost, tree, tokens))
             tree, tokens, nodes = graft(tree, tokens, proposal)
             yields, room = yields + proposal.gained, room + proposal.room
@@ -197,7 +201,6 @@ class Batch:
             for proposer in row.proposers:  # the device step's tree is the heads', never the host's proposals
                 proposer.record([], [0], new, None)
             events.append((row, new, tree.num_nodes - 1))
-        self.engine.settled()
         return events
 
     def leave(self, row: Row) -> None:

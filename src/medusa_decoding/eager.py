@@ -1,11 +1,6 @@
-"""The eager engine: a step run op by op as `transformers` runs any model, over the cache's columns in use.
-
-An engine is what `decoding.Batch` asks to run a step, chosen once when a batch is made: this one, or the compiled
-engine (compiled.Compiled), which has the same functions. `Batch.step` plans and accepts; the engine builds the
-pass's inputs, verifies and commits.
+"""The eager engine (an engine.Engine): a step run op by op as `transformers` runs any model, over the cache's columns
+in use.
 """
-
-from typing import NamedTuple
 
 import torch
 from transformers import Cache, PreTrainedModel
@@ -13,15 +8,15 @@ from transformers import Cache, PreTrainedModel
 from . import cache as kv
 from . import native_layers
 from .base import sliding_window
+from .candidates import candidates
 from .heads import MedusaHeads, run_backbone
-from .proposal import candidates
 
 
 def forward(model: PreTrainedModel, tokens: torch.Tensor, cache, last: bool = False, layers: tuple[int, ...] = (),
             **kw) -> tuple[torch.Tensor, torch.Tensor]:
     """Backbone + LM head. tokens: [B, T] -> (logits [B, T, V], the heads' input states [B, T, (1 + L) H]: the last
     hidden states, and the outputs of the heads' feature `layers`: heads.run_backbone); `last`: the last position's
-    logits only (a prefill: the LM head over every prompt token would be a fifth of SmolLM2's prefill)."""
+    logits only (a prefill: the LM head over every prompt token is a large share of a small model's prefill)."""
     hidden, state = run_backbone(model, layers, input_ids=tokens, past_key_values=cache, use_cache=True, **kw)
     return model.get_output_embeddings()(hidden[:, -1:] if last else hidden), state
 
@@ -46,20 +41,11 @@ def step_forward(model: PreTrainedModel, weights: list | None, tokens: torch.Ten
     return forward(model, tokens, cache, position_ids=positions, attention_mask=mask, layers=layers)
 
 
-class Packed(NamedTuple):
-    """A step's rows packed for one pass: tokens [B, T] (each row's tree, padded), the rows' cache entries (on the
-    host, and on the device [B]) and the trees' padded tensors (depths, parents [B, T], attention, chains [B, T, T]:
-    tree.padded)."""
-
-    tokens: torch.Tensor
-    lengths: list[int]
-    on_device: torch.Tensor
-    trees: tuple[torch.Tensor, ...]
-
-
 class Eager:
     """Steps as wide as the rows' largest tree, over the columns in use; nothing compiled; on q8 kernels a
     Llama-shaped model's layers run one native call each (native_layers.py)."""
+
+    guesses_own_tokens = True  # its steps take any shape
 
     def __init__(self, model: PreTrainedModel, heads: MedusaHeads | None):
         self.model, self.layers = model, heads.config.feature_layers if heads is not None else ()
@@ -78,12 +64,12 @@ class Eager:
         return max(plan.tree.num_nodes for plan in plans)
 
     def candidates(self, *args, own=None):
-        """proposal.candidates, run as it is, the rows' own tokens guessed beside the guess vocabulary."""
+        """candidates.candidates, run as it is, the rows' own tokens guessed beside the guess vocabulary."""
         return candidates(*args, own=own)
 
-    def verify(self, cache: Cache, packed: Packed) -> tuple[torch.Tensor, torch.Tensor, None]:
-        """One pass over every row's tree -> (logits [B, T, V], the heads' input states [B, T, S], None: no greedy
-        acceptance done on the way)."""
+    def verify(self, cache: Cache, packed) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """One pass over every row's tree (engine.Packed) -> (logits [B, T, V], the heads' input states [B, T, S],
+        None: no greedy acceptance done on the way)."""
         rows, nodes = packed.tokens.shape
         columns = kv.width(cache) + nodes
         kv.reserve(cache, rows, columns)
@@ -95,13 +81,14 @@ class Eager:
                                       self.layers)
         return logits, states, None
 
-    def commit(self, cache: Cache, packed: Packed, paths: list[list[int]]) -> None:
+    def commit(self, cache: Cache, packed, paths: list[list[int]]) -> None:
         """Each row keeps its accepted path (node indices, root first) right after its entries."""
         kv.commit(cache, packed.lengths, paths)
 
     def device_tree(self, rows: list) -> None:
-        """The tree of a step that runs whole on the device: none here (compiled.Compiled.device_tree)."""
-        return None
+        """No step runs whole on the device here (compiled.Compiled.device_tree)."""
+        return
 
     def device_step(self, batch) -> None:
-        return None
+        """Every step runs on the host."""
+        return

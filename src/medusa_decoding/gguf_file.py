@@ -318,8 +318,8 @@ class GgufEmbedding(torch.nn.Embedding):
     kind: int = 0
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from .kernels import OPS
+        from .kernels import native_ops
 
-        rows = OPS.dequantize_gguf(self._buffers["blocks"][ids.reshape(-1)], self.kind).view(*ids.shape, -1)
+        rows = native_ops().dequantize_gguf(self._buffers["blocks"][ids.reshape(-1)], self.kind).view(*ids.shape, -1)
         scale = self._buffers.get("embed_scale")
         return rows if scale is None else rows * scale.to(rows.dtype)

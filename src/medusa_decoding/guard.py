@@ -29,8 +29,8 @@ row its size, so a tree pays for the whole batch or for none of its rows. The ro
 steps at several batch sizes), so as the batch grows speculation has to pay for more rows and the batch moves to
 smaller trees, down to plain steps. Steps of a batch are not timed (their time is every row's).
 
-Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes are
-reproducible to a few percent from run to run, and a few steps' yields are noisy.
+Another tree is taken only when predicted SWITCH_MARGIN faster: the calibrated latencies of neighbouring sizes differ
+by little and vary from run to run, and a few steps' yields are noisy.
 
 Every step is verified as before: greedy output is identical whatever the guard picks. A sampled request with a seed
 is not timed (its guard follows the tokens and the calibrated latencies): rejection sampling draws differently over
@@ -49,7 +49,7 @@ PRIOR_WEIGHT = 2  # what the calibration predicts counts as this many steps (a r
 FADING = SMOOTHING / 4  # how fast what was seen of a tree's step time fades while another tree runs
 OPENING = 3  # a request's first steps are plain and guess, until this many steps' yields are counted: its own ...
 PROBE_EVERY = 8  # while decoding plainly, the heads guess every this many steps (a guess: a small part of a step)
-EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one, timed (~0.5% where trees win by 15%) ...
+EXPLORE_EVERY = 32  # while trees run, every this many steps is a plain one, timed (little lost where trees win) ...
 EXPLORE_BELOW = 1.15  # ... where plain is predicted within this factor of the tree: beyond, no timing changes a pick
 SWITCH_MARGIN = 1.03  # another tree is taken when predicted this much faster: less is within the estimates' noise
 TIME_CLIP = 2.0  # a step's time counts at most this factor away from its tree's estimate (a preempted step)
@@ -72,7 +72,7 @@ class Ladder:
     batch_sizes: tuple[int, ...] = (1,)  # batches whose step latency was measured (calibrate), increasing from 1
     batch_latency_s: tuple[tuple[float, ...], ...] | None = None  # [batch_sizes][trees] a whole batch's step seconds
     # confidence-driven: a tree stands for its size only, each step's candidates are the likeliest that many under the
-    # heads' own probabilities (heads_draft.propose_confident); its calibrated yields, the fixed tree's, are a floor
+    # heads' own probabilities (heads_draft.guess_confident); its calibrated yields, the fixed tree's, are a floor
     confident: bool = False
     guarded: bool = False  # watched by the guard even alone (Ladder.fixed)
 
@@ -111,8 +111,19 @@ class Ladder:
         one = interpolate(self.contexts, self.latency_s, context)
         if batch == 1 or self.batch_latency_s is None:
             return one
-        scale = [b / a for a, b in zip(self.batch_latency_s[0], interpolate(self.batch_sizes, self.batch_latency_s, batch))]
+        at_batch = interpolate(self.batch_sizes, self.batch_latency_s, batch)
+        scale = [b / a for a, b in zip(self.batch_latency_s[0], at_batch)]
         return [seconds * factor for seconds, factor in zip(one, scale)]
+
+
+def running(estimate: float, observed: float, count: int, prior_weight: float, smoothing: float) -> float:
+    """A running estimate moved toward its `count`-th observation: a mean in which the prior counts as `prior_weight`
+    observations, until a new one's weight falls to `smoothing`; then an average over about the last 1 / smoothing.
+
+    >>> running(1.0, 0.0, 1, 2, 1 / 8), running(1.0, 0.0, 100, 2, 1 / 8)
+    (0.6666666666666667, 0.875)
+    """
+    return estimate + max(1 / (prior_weight + count), smoothing) * (observed - estimate)
 
 
 def interpolate(at: tuple[int, ...], rows: tuple[tuple[float, ...], ...], x: float) -> list[float]:
@@ -154,7 +165,7 @@ class Guard:
 
     def choose(self, context: int, batch: int = 1, pooled: list[float] | None = None) -> tuple[Tree, Tree | None]:
         """The tree of the next step at `context` tokens in a batch of `batch` rows, and the tree the heads guess for in
-        it (heads_draft.propose): the ladder's largest, which covers every tree, or None (a plain step that does not
+        it (heads_draft.guess): the ladder's largest, which covers every tree, or None (a plain step that does not
         probe). pooled: the batch's mean yields per tree (`batch_yields`), which every row of the batch then follows
         as they stand."""
         if not self.watching:
@@ -190,7 +201,7 @@ class Guard:
 
     def record(self, guesses: torch.Tensor | dict | tuple | None, new: list[int], seconds: float | None, context: int
                ) -> None:
-        """After a step: its guesses (heads_draft.propose's, or None), the tokens it produced, its seconds (None:
+        """After a step: its guesses (heads_draft.guess's, or None), the tokens it produced, its seconds (None:
         not the ladder's tree, as one cut at the token budget's end) and the context it started at."""
         if not self.watching:
             return
@@ -211,9 +222,8 @@ class Guard:
         """Updates each tree's tokens per step with what it would have yielded at the step whose guesses were for
         generated[start:] (first: that step's own first tree of each node, else the ladder's)."""
         self.observed += 1
-        weight = max(1 / (PRIOR_WEIGHT + self.observed), SMOOTHING)
         for i, tokens in enumerate(yields(guesses, self.generated[start:], first or self.first, len(self.tokens))):
-            self.tokens[i] += weight * (tokens - self.tokens[i])
+            self.tokens[i] = running(self.tokens[i], tokens, self.observed, PRIOR_WEIGHT, SMOOTHING)
 
     def time_step(self, ratio: float) -> None:
         """A step of the chosen tree took `ratio` times its calibrated latency; what was seen of others fades."""
@@ -221,8 +231,8 @@ class Guard:
         known = [factor for factor in factors if factor is not None]
         reference = factors[i] or (sum(known) / len(known) if known else ratio)  # untimed: the others' ratio
         self.timed[i] += 1
-        weight = max(1 / (PRIOR_WEIGHT + self.timed[i]), SMOOTHING) if known else 1.0
-        factors[i] = reference + weight * (min(max(ratio, reference / TIME_CLIP), reference * TIME_CLIP) - reference)
+        clipped = min(max(ratio, reference / TIME_CLIP), reference * TIME_CLIP)
+        factors[i] = running(reference, clipped, self.timed[i], PRIOR_WEIGHT, SMOOTHING) if known else ratio
         for j, factor in enumerate(factors):
             if j != i and factor is not None:
                 factors[j] = factor + FADING * (factors[i] - factor)

@@ -6,7 +6,7 @@ W2 is the base LM head (shared) or a copy of it (own), so an untrained head repe
 A hydra head (Ankner et al. 2024, "sequentially-dependent draft heads") also sees the tokens between h_t and its
 target: its first block reads `[h; e(x_t+1); ...; e(x_t+k+1)]`, the base model's input embeddings of the root token
 and of the candidates before its guess, and adds the result to h as MEDUSA's does. A MEDUSA head guesses t+k+2
-without knowing what comes before it; a hydra head's guess follows the path it extends (proposal.candidates).
+without knowing what comes before it; a hydra head's guess follows the path it extends (candidates.candidates).
 
 Heads of either kind may also read earlier layers (`feature_layers`, EAGLE-3's fused features): their first block
 reads those layers' outputs at t, RMS-normalised, beside h (`run_backbone` gives the heads' input state
@@ -26,8 +26,8 @@ from torch import nn
 
 from . import formats
 from .config import HeadsConfig
-from .kernels import weight_rows
 from .formats import CONFIG_NAME, WEIGHTS_NAME
+from .kernels import weight_rows
 
 
 def run_backbone(model: nn.Module, layers: tuple[int, ...] = (), **inputs) -> tuple[torch.Tensor, torch.Tensor]:

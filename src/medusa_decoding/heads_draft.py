@@ -1,26 +1,31 @@
 """The heads as a source of candidates (a proposers.Proposer, as lookup.LookupDraft is one): each step the tree its
-guard picks (guard.py), the heads' tokens over it, and afterwards what the guard learns from the step.
+guard picks (guard.py), the heads' tokens over it, and afterwards what the guard learns from the step. The guard's
+ladder also prices the step for every proposer (`HeadsDraft.step_cost`) and says whether it can run whole on the
+device (`HeadsDraft.fixed_tree`).
 """
+
+from collections.abc import Callable
 
 import torch
 
+from .candidates import candidates
 from .guard import Guard
 from .heads import MedusaHeads, OwnTokens
-from .proposal import candidates
-from .proposers import Proposal, SoFar, StepStart
+from .proposers import Proposal, SoFar, StepStart, step_cost
 from .tree import Tree, build, node_index, on_device
 
 
-def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
-            run=candidates, keep: bool = True, own: OwnTokens | None = None
-            ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
-    """Propose: the step's tokens [N+1] (the root, then the candidates of `tree`) and the heads' guesses for the guard.
+def guess(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, tree: Tree, watched: Tree | None,
+          run=candidates, keep: bool = True, own: OwnTokens | None = None
+          ) -> tuple[torch.Tensor, torch.Tensor | dict | None]:
+    """One row's candidates from its heads: the step's tokens [N+1] (the root, then the candidates of `tree`) and the
+    heads' guesses for the guard.
 
     watched: the tree whose nodes the heads guess for (it holds `tree`'s: the guard watches its ladder's largest);
     None: a plain step that does not guess. MEDUSA heads guess once per head, whatever the path: guesses [D, k],
     each head's top-k, and node (r_1..r_d) is rank r_d of head d-1. Hydra heads guess per node (`candidates`):
     guesses {a node's path: the top-k after it}, and node (r_1..r_d) is rank r_d of head d-1 given its parent's path.
-    run: how proposal.candidates runs (the engine's: a graph on the compiled one); keep: False where the guard reads
+    run: how candidates.candidates runs (the engine's: a graph on the compiled one); keep: False where the guard reads
     no guesses (a fixed tree), which spares hydra heads a read of the device; own: the row's own tokens, guessed
     beside the guess vocabulary.
     """
@@ -38,7 +43,7 @@ def propose(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root:
     return tokens, guesses
 
 
-def propose_confident(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, size: int, watched: int
+def guess_confident(heads: MedusaHeads, lm_head, embed, heads_input: torch.Tensor, root: int, size: int, watched: int
                       ) -> tuple[Tree, torch.Tensor, tuple[dict, list]]:
     """Confidence-driven trees (EAGLE-2's idea, on draft heads): instead of a fixed shape, the `size` candidates whose
     paths the heads themselves find likeliest (the product of each head's probability of its token along the path),
@@ -83,7 +88,7 @@ def propose_confident(heads: MedusaHeads, lm_head, embed, heads_input: torch.Ten
 
 def likeliest(kept: list[tuple[torch.Tensor, list, torch.Tensor]], root: int, size: int, watched: int
               ) -> tuple[Tree, torch.Tensor, list[tuple[int, ...]]]:
-    """propose_confident's pick from the nodes `kept` per depth (path probabilities [m], paths, tokens [m]) -> (the
+    """guess_confident's pick from the nodes `kept` per depth (path probabilities [m], paths, tokens [m]) -> (the
     tree of the `size` likeliest, its tokens [size+1], the `watched` likeliest paths, likeliest first)."""
     every = torch.cat([s for s, _, _ in kept])  # by depth: a stable sort keeps a parent before its tied child
     order = every.sort(descending=True, stable=True).indices.tolist()
@@ -105,7 +110,7 @@ class HeadsDraft:
 
     def __init__(self, heads: MedusaHeads | None, lm_head, embed, run, guard: Guard, own: OwnTokens | None,
                  timed: bool):
-        """run: how proposal.candidates runs (the engine's); own: the row's own tokens, guessed beside the guess
+        """run: how candidates.candidates runs (the engine's); own: the row's own tokens, guessed beside the guess
         vocabulary; timed: whether step times may steer the guard (not in a seeded run: it must repeat)."""
         self.heads, self.lm_head, self.embed, self.run = heads, lm_head, embed, run
         self.guard, self.own, self.timed = guard, own, timed
@@ -118,16 +123,26 @@ class HeadsDraft:
         picked, watched = self.guard.choose(start.context, start.batch, start.pooled)  # watched: guessed for, or None
         room = picked.num_nodes - 1
         if self.guard.ladder.confident and watched is not None:  # the tree: the likeliest nodes of this step
-            picked, every, self.guesses = propose_confident(self.heads, self.lm_head, self.embed, start.heads_input,
-                                                            start.root, room, watched.num_nodes - 1)
+            picked, every, self.guesses = guess_confident(self.heads, self.lm_head, self.embed, start.heads_input,
+                                                          start.root, room, watched.num_nodes - 1)
             tree = picked.truncated(start.budget)
             every = every if tree is picked else every[node_index(picked.paths, tree.paths, every.device)]
         else:
             tree = picked.truncated(start.budget)
-            every, self.guesses = propose(self.heads, self.lm_head, self.embed, start.heads_input, start.root, tree,
-                                          watched, run=self.run, keep=self.guard.watching, own=self.own)
+            every, self.guesses = guess(self.heads, self.lm_head, self.embed, start.heads_input, start.root, tree,
+                                        watched, run=self.run, keep=self.guard.watching, own=self.own)
         self.uncut, self.context = tree is picked, start.context
         return Proposal(tree, every[1:], self.guard.expected() - 1, room)
+
+    def step_cost(self, context: int, batch: int, nodes: int) -> Callable[[int], float]:
+        """What more nodes cost a step of `nodes` at `context` in a batch of `batch` rows, as the guard's ladder prices
+        it (proposers.step_cost): SoFar.cost for every proposer of the row."""
+        return step_cost(self.guard.ladder, context, batch, nodes)
+
+    def fixed_tree(self) -> tuple[Tree, bool] | None:
+        """(the tree every step takes, whether it stands for its size's likeliest nodes: a confident ladder) where no
+        guard watches the steps, so that one can run whole on the device (compiled.Compiled.device_tree); else None."""
+        return None if self.guard.watching else (self.guard.ladder.tree, self.guard.ladder.confident)
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         self.guard.record(self.guesses, new, seconds if self.uncut and self.timed else None, self.context)

@@ -1,8 +1,9 @@
 """llama.cpp beside MEDUSA: what a CPU user runs today on the same GGUF file, timed on the same prompts.
 
-`medusa bench --llama-cpp` runs it through `llama-cpp-python`, an optional extra (`pip install 'medusa-decoding[llama]'`; it builds llama.cpp from source for this CPU), never needed by the
-tests. Greedy (temperature 0), one token per llama.cpp decode call, the prompt's prefill on the clock, no prompt
-cache carried from one request to the next.
+`medusa bench --llama-cpp` runs it through `llama-cpp-python`, an optional extra
+(`pip install 'medusa-decoding[llama]'`; it builds llama.cpp from source for this CPU), never needed by the tests.
+Greedy (temperature 0), one token per llama.cpp decode call, the prompt's prefill on the clock, no prompt cache
+carried from one request to the next.
 """
 
 import statistics
@@ -11,7 +12,8 @@ from pathlib import Path
 
 from .model import GenerationOutput
 
-INSTALL = "pip install 'medusa-decoding[llama]' (llama-cpp-python: builds llama.cpp for this CPU, about 15 minutes on 2 cores)"
+INSTALL = ("pip install 'medusa-decoding[llama]'"
+           " (llama-cpp-python: builds llama.cpp for this CPU, about 15 minutes on 2 cores)")
 
 
 def require():

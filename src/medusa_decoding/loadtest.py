@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from .config import GenerationConfig
-from .server import Scheduler, create_app, serving
+from .scheduler import Scheduler
+from .server import create_app, serving
 
 MODES = ("medusa", "plain", "one-at-a-time")  # batched MEDUSA, batched plain steps, MEDUSA one request at a time
 MODEL_ID = "load-test"

@@ -6,11 +6,11 @@ the stream's last few tokens are a cheap guess at what comes next, with no model
 
 from collections.abc import Sequence
 
-from .proposers import Proposal, SoFar, StepStart, priors, tally, worth
+from .proposers import ChainRates, Proposal, SoFar, StepStart
 
 
 class Lookup:
-    """An index over a token stream (the prompt, then the accepted tokens) that proposes continuations.
+    """An index over a token stream (the prompt, then the accepted tokens) that finds continuations.
 
     For n = 1..max_ngram, `_ends[n - 1]` maps an n-gram to the latest position where it ended and was followed by
     a token; the stream's own end has no continuation yet, so it is entered only once the next token arrives.
@@ -33,7 +33,7 @@ class Lookup:
                 self._ends[n - 1][tuple(stream[end - n + 1 : end + 1])] = end
             stream.append(token)
 
-    def propose(self, length: int) -> tuple[list[int], int]:
+    def continuation(self, length: int) -> tuple[list[int], int]:
         """Up to `length` tokens after the latest earlier occurrence of the stream's longest recurring suffix,
         and that suffix's length as confidence; ([], 0) where no suffix recurs.
 
@@ -49,7 +49,7 @@ class Lookup:
         return [], 0
 
 
-PRIOR = 0.5  # a chain token's chance of being right before any is counted (proposers.tally)
+PRIOR = 0.5  # a chain token's chance of being right before any is counted (proposers.ChainRates)
 
 
 class LookupDraft:
@@ -60,23 +60,15 @@ class LookupDraft:
 
     def __init__(self, prompt: Sequence[int], max_length: int, max_ngram: int = 4):
         self.index, self.max_length = Lookup(prompt, max_ngram), max_length
-        # per match length, then per match length beside the tree's candidates: P(a chain token is right | the one
-        # before was)
-        self.right = priors([PRIOR] * max_ngram)
-        self.counted = [0] * len(self.right)
-        self.bins: list[int] = []  # the bins of the last chain offered
+        self.rates = ChainRates([PRIOR] * max_ngram)  # a bin per match length
 
     def propose(self, start: StepStart, step: SoFar) -> Proposal:
         """The continuation of the stream's longest recurring suffix, each token right as often as this match
         length's have been, as much of it as pays for its nodes (proposers.worth)."""
-        chain, match = self.index.propose(min(self.max_length, start.budget))
-        placed = list(step.places(chain))
-        self.bins = [match - 1 + self.index.max_ngram * apart for _, apart in placed]
-        keep, gained = worth(((self.right[b], held) for b, (held, _) in zip(self.bins, placed)), step.tokens, step.cost)
-        self.bins = self.bins[:keep]
-        return Proposal.chain(chain[:keep], gained, self.max_length)
+        chain, match = self.index.continuation(min(self.max_length, start.budget))
+        return self.rates.offer(((token, match - 1) for token in chain), step, self.max_length)
 
     def record(self, nodes: list[int], path: list[int], new: list[int], seconds: float | None) -> None:
         """Counts which chain tokens were right, then extends the index."""
-        tally(self.right, self.counted, self.bins, nodes, path)
+        self.rates.tally(nodes, path)
         self.index.extend(new)

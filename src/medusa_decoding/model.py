@@ -3,6 +3,7 @@
 >>> medusa = MedusaModel.from_pretrained()              # the embedded SmolLM2-135M-Instruct
 >>> out = medusa.generate("Name three colours.", max_new_tokens=32)
 >>> out.text, out.acceleration_rate
+>>> medusa.generate("Name three colours.", tree=[3, 2])   # a tree for this call alone (Cartesian sizes)
 """
 
 import json
@@ -12,23 +13,32 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from . import embedded, formats
 from .base import eos_ids, load_base, with_adapter
-from .calibrate import auto_tree, choose_kernels, confident_yield, read_accuracy
+from .calibrate import HeadsCalibration, auto_tree, choose_kernels, confident_yield, read_accuracy
 from .config import DEFAULT_TREE, GenerationConfig, HeadsConfig, ServerConfig
 from .conversation import chat_ids, is_raw
 from .corpus import CorpusIndex
-from .decoding import Batch, Row
 from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 from .guard import Ladder
 from .heads import MedusaHeads
-from .kernels import (COMPILED, Q8, NativeLinear, cpu_float32, native_available, native_linears, reset_kernels,
-                      resolve_kernels, set_guess_vocab, use_kernels)
+from .kernels import (
+    COMPILED,
+    Q8,
+    NativeLinear,
+    cpu_float32,
+    native_available,
+    native_linears,
+    reset_kernels,
+    resolve_kernels,
+    set_guess_vocab,
+    use_kernels,
+)
+from .text import Requests, Step, TextPieces, admit, check_text
 from .tree import Mode, Tree, parse_tree
 
 
@@ -58,22 +68,13 @@ class GenerationOutput:
     def tokens_per_s(self) -> float:
         return len(self.token_ids) / self.seconds if self.seconds else 0.0
 
-
-class Step(NamedTuple):
-    """One forward pass, as `MedusaModel.steps` yields it."""
-
-    tokens: list[int]  # the tokens it produced (stop strings applied)
-    text: str  # the whole answer so far
-    tree_size: int  # the candidates it verified (0: a plain step, or the prefill)
-    # why the request ended at this step, as OpenAI's finish_reason: "stop" (EOS or a stop string) or "length" (its
-    # token budget); None while it runs
-    finish: str | None = None
-    drafted: int = 0  # of `tokens`, those only a draft proposed (lookup.py, corpus.py)
-
-    @property
-    def done(self) -> bool:
-        """The request's last step."""
-        return self.finish is not None
+    def add_step(self, step: Step) -> None:
+        """One more forward pass of the request: its tokens, and the answer as that pass left it."""
+        self.token_ids += step.tokens
+        self.accept_lengths.append(len(step.tokens))
+        self.tree_sizes.append(step.tree_size)
+        self.drafted.append(step.drafted)
+        self.text, self.finish = step.text, step.finish
 
 
 class MedusaModel:
@@ -85,8 +86,9 @@ class MedusaModel:
         tree: Tree | Ladder | None = None,
         kernels: str = "stock",
     ):
-        """tree: the one every step verifies, or a Ladder the guard picks from step by step (`--tree auto`);
-        kernels: what runs the model (kernels.py); anything but "stock" changes `model` in place."""
+        """tree: the one every step verifies, or a Ladder the guard picks from step by step (`--tree auto`); a call
+        may name its own (`trees_for`). kernels: what runs the model (kernels.resolve_kernels: "auto" untimed;
+        from_pretrained times them on a CPU, `fastest_kernels`); anything but "stock" changes `model` in place."""
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path,
                                config.num_hidden_layers)
@@ -95,17 +97,13 @@ class MedusaModel:
         self.heads = reset_kernels(heads).to(model.device, model.dtype).eval()
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.corpus: CorpusIndex | None = None  # the index of the model's answers found with them (corpus.py)
-        if kernels == "auto" and cpu_float32(model.device, model.dtype) and native_available():
-            kernels = choose_kernels(model, heads, lambda name: MedusaModel(model, tokenizer, heads, kernels=name))
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
         use_kernels(model, self.kernels)
         if any(isinstance(m, NativeLinear) for m in model.modules()):
             native_linears(self.heads, q8=self.kernels in Q8)
         self.compiled = self.kernels in COMPILED  # decodes on the compiled engine (compiled.py), else eagerly
-        tree = tree if tree is not None else Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads])
-        self.trees = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
-        for each in self.trees.trees:
-            each.check_heads(heads.config.num_heads, heads.config.vocab_size)
+        self.trees = self.checked(tree if tree is not None else
+                                  Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads]))
         self.eos_ids = eos_ids(model, tokenizer)
 
     @property
@@ -115,8 +113,38 @@ class MedusaModel:
 
     @tree.setter
     def tree(self, tree: Tree) -> None:
-        tree.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
-        self.trees = Ladder.fixed(tree)
+        self.trees = self.checked(tree)
+
+    def trees_for(self, tree=None) -> Ladder:
+        """The trees one call decodes with: `tree` in any form tree.parse_tree takes, as from_pretrained reads it (a
+        mode from the heads' calibration), or a Ladder; None: the model's own. The model itself is left as it was.
+
+        >>> medusa.trees_for([2, 2]).tree.num_nodes    # Cartesian sizes: 2 + 2 * 2 candidates and the root
+        7
+        """
+        tree = tree if isinstance(tree, Ladder) else parse_tree(tree)
+        if tree is None:
+            return self.trees
+        if isinstance(tree, Mode):
+            return self.mode_trees(tree, read_accuracy(self.heads_dir) if self.heads_dir is not None else None)
+        return self.checked(tree)
+
+    def checked(self, tree: Tree | Ladder) -> Ladder:
+        """A tree as a Ladder of one, or a Ladder, whose every tree the heads reach (ValueError naming the tree)."""
+        ladder = tree if isinstance(tree, Ladder) else Ladder.fixed(tree)
+        for each in ladder.trees:
+            each.check_heads(self.heads.config.num_heads, self.heads.config.vocab_size)
+        return ladder
+
+    def mode_trees(self, mode: Mode, calibration: HeadsCalibration | None) -> Ladder:
+        """A mode's trees (tree.Mode), from the heads' calibration where they have one, else from the model's own;
+        read after the kernels are chosen: they set the latency."""
+        if mode.size:  # "confident:N"
+            return Ladder.fixed(Tree.from_spec([mode.size]), confident=True,
+                                tokens=confident_yield(calibration, mode.size) if calibration else 1.0)
+        trees = self.trees if calibration is None else auto_tree(self, self.heads_dir, calibration,
+                                                                 confident=mode.name == "confident")
+        return replace(trees, confident=True) if mode.name == "confident" else trees
 
     @classmethod
     def from_pretrained(
@@ -133,17 +161,18 @@ class MedusaModel:
         kernels: str = "auto",
     ) -> "MedusaModel":
         """Base model (a GGUF file, an embedded model's name, a directory or hub id; None: the embedded default) plus
-        heads (directory; None: the heads shipped for the model, an embedded one's, else untrained). A MEDUSA-2 training output may
-        stand for both.
+        heads (directory; None: the heads shipped for the model, an embedded one's, else untrained). A MEDUSA-2
+        training output may stand for both.
 
         tree: any form tree.parse_tree takes: a Tree, a path list, Cartesian sizes (or either as JSON text or a JSON
             file); None: the heads' own `tree.json`, else the default;
             "auto": the trees fitted to this device from the heads' calibration (calibrate.auto_tree), among which
             a guard picks the one that pays most each step, down to plain steps (guard.py); else None's.
             "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
-            probabilities (heads_draft.propose_confident); "confident:N": N of them every step.
+            probabilities (heads_draft.guess_confident); "confident:N": N of them every step.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (compiled on a GPU; native on a CPU in float32 where it builds, else stock), "stock",
+        kernels: "auto" (compiled on a GPU; on a CPU in float32 where the native kernels build, the fastest here of
+            stock, native and q8: `fastest_kernels`; else stock), "stock",
             "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the
             compiled engine, compiled.py: fixed-shape steps through torch.compile; each tree size compiles on first
             use) or "compiled-q8" (the compiled engine with q8's linears).
@@ -170,10 +199,8 @@ class MedusaModel:
             base = with_adapter(base, heads_dir / ADAPTER_DIR)  # MEDUSA-2 heads see the fine-tuned backbone
         if heads is None:
             config = base.config.get_text_config()
-            heads = MedusaHeads(
-                HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection, base.name_or_path),
-                base.get_output_embeddings(),
-            )
+            heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection,
+                                            base.name_or_path), base.get_output_embeddings())
         return cls.assemble(base, tokenizer, heads, tree, kernels)
 
     @classmethod
@@ -190,21 +217,16 @@ class MedusaModel:
             heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
             if given is None and (heads_dir / TREE_NAME).is_file():
                 given = parse_tree(json.loads((heads_dir / TREE_NAME).read_text()))
-        medusa = cls(base, tokenizer, heads, given, kernels)
+        medusa = cls(base, tokenizer, heads, given, fastest_kernels(base, tokenizer, heads, kernels))
         medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
         calibration = None
         if heads_dir is not None:
             medusa.corpus = CorpusIndex.load(heads_dir)
-            if (calibration := read_accuracy(heads_dir)) is not None:  # read once: the guesses' vocabulary, the tree
-                if (vocab := calibration.guess_vocab) is not None:
-                    set_guess_vocab(medusa.model, vocab)
-                if mode is not None and not mode.size:  # after the kernels: they set the latency
-                    medusa.trees = auto_tree(medusa, heads_dir, calibration, confident=mode.name == "confident")
-        if mode is not None and mode.size:  # "confident:N"
-            medusa.trees = Ladder.fixed(Tree.from_spec([mode.size]), confident=True,
-                                        tokens=confident_yield(calibration, mode.size) if calibration else 1.0)
-        elif mode is not None and mode.name == "confident":
-            medusa.trees = replace(medusa.trees, confident=True)
+            calibration = read_accuracy(heads_dir)
+            if calibration is not None and calibration.guess_vocab is not None:
+                set_guess_vocab(medusa.model, calibration.guess_vocab)
+        if mode is not None:
+            medusa.trees = medusa.mode_trees(mode, calibration)
         return medusa
 
     def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto", compiled: bool | None = None
@@ -225,9 +247,8 @@ class MedusaModel:
         step (compiled.py), greedy or sampled as `config`."""
         config = replace(config or GenerationConfig(), max_new_tokens=max_new_tokens)
         for tree in self.trees.trees:
-            view = self.with_heads(self.heads, tree)
-            view.trees = Ladder.fixed(tree, self.trees.confident, guarded=len(self.trees.trees) > 1)
-            view.generate(prompt, config=config)
+            self.generate(prompt, config=config,
+                          tree=Ladder.fixed(tree, self.trees.confident, guarded=len(self.trees.trees) > 1))
         self.generate(prompt, config=replace(config, medusa=False))
 
     def save_pretrained(self, directory: str | os.PathLike) -> None:
@@ -280,14 +301,15 @@ class MedusaModel:
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return generator
 
-    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None
+    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None, tree=None
               ) -> Iterator[Step]:
-        """Yields a Step after each forward pass, stop strings applied."""
+        """Yields a Step after each forward pass, stop strings applied; tree: this call's own (`trees_for`)."""
+        trees = self.trees_for(tree)
         ids = self.encode(prompt, messages=messages, raw=raw)
         if streamer is not None:
             streamer.put(ids[None].cpu())
         requests = Requests(self)
-        events = requests.add(0, ids, config)
+        events = requests.add(0, ids, config, trees)
         while events:
             (_, step), = events
             if streamer is not None:
@@ -301,179 +323,61 @@ class MedusaModel:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def generate(self, prompt=None, *, messages=None, raw=False, config=None, streamer=None,
-                 max_batch: int = ServerConfig.max_batch, **overrides):
-        """Runs to the end -> a GenerationOutput; several prompts (a list) -> a list of them, decoded in batches of up to
-        `max_batch` (each prompt joins as soon as another has finished). overrides: any GenerationConfig field
-        (max_new_tokens=..., temperature=...)."""
-        config = replace(config or GenerationConfig(), **overrides)
+                 max_batch: int = ServerConfig.max_batch, tree=None, **overrides):
+        """Runs to the end -> a GenerationOutput; several prompts (a list) -> a list of them, decoded in batches of up
+        to `max_batch` (each prompt joins as soon as another has finished). tree: this call's own, any form
+        `trees_for` takes (None: the model's). overrides: any GenerationConfig field (max_new_tokens=...,
+        temperature=...)."""
+        config, trees = replace(config or GenerationConfig(), **overrides), self.trees_for(tree)
         if (many := self.encode_many(prompt, messages=messages, raw=raw)) is not None:
             if streamer is not None:
                 raise ValueError("streamer: one prompt at a time (transformers' streamers take a batch of one)")
             outputs, start = [GenerationOutput() for _ in many], time.perf_counter()
-            for index, step in self.run_batch(many, config, max_batch):  # times from the call (a wait for a row too)
+            for index, step in self.run_batch(many, config, max_batch, trees):  # times from the call (a wait too)
                 out, now = outputs[index], time.perf_counter() - start
                 out.first_token_seconds = out.first_token_seconds or now
                 out.seconds = now if step.done else 0.0
-                record(out, step)
+                out.add_step(step)
             return outputs
         out, start = GenerationOutput(), time.perf_counter()
-        for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer):
+        for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer, tree=trees):
             out.first_token_seconds = out.first_token_seconds or time.perf_counter() - start
-            record(out, step)
+            out.add_step(step)
         out.seconds = time.perf_counter() - start
         return out
 
-    def run_batch(self, prompts: list[torch.Tensor], config: GenerationConfig, max_batch: int
+    def run_batch(self, prompts: list[torch.Tensor], config: GenerationConfig, max_batch: int, tree=None
                   ) -> Iterator[tuple[int, Step]]:
-        """(prompt index, Step) per row of every forward pass, up to `max_batch` prompts decoded together."""
-        requests, waiting = Requests(self), deque(enumerate(prompts))
+        """(prompt index, Step) per row of every forward pass, up to `max_batch` prompts decoded together; tree: theirs
+        (`trees_for`)."""
+        requests, waiting, trees = Requests(self), deque(enumerate(prompts)), self.trees_for(tree)
         while requests or waiting:
             events = []
             while admitted := admit(waiting, len(requests), max_batch):  # again where a prefill ended its request
-                events += [event for index, ids in admitted for event in requests.add(index, ids, config)]
+                events += [event for index, ids in admitted for event in requests.add(index, ids, config, trees)]
             events += requests.step() if requests else []
             yield from events
 
     def stream(self, prompt=None, *, messages=None, raw=False, config=None, max_batch: int = ServerConfig.max_batch,
-               **overrides) -> Iterator:
+               tree=None, **overrides) -> Iterator:
         """Yields text as it is accepted; holds back an incomplete character or a possible stop string. Several
-        prompts: (prompt index, text) pairs, the answers interleaved as their steps come."""
-        config = replace(config or GenerationConfig(), **overrides)
+        prompts: (prompt index, text) pairs, the answers interleaved as their steps come. tree: as `generate`'s."""
+        config, trees = replace(config or GenerationConfig(), **overrides), self.trees_for(tree)
         if (many := self.encode_many(prompt, messages=messages, raw=raw)) is not None:
             pieces = [TextPieces(config.stop) for _ in many]
-            for index, step in self.run_batch(many, config, max_batch):
+            for index, step in self.run_batch(many, config, max_batch, trees):
                 if piece := pieces[index].add(step.text, step.done):
                     yield index, piece
             return
         pieces = TextPieces(config.stop)
-        for step in self.steps(prompt, messages=messages, raw=raw, config=config):
+        for step in self.steps(prompt, messages=messages, raw=raw, config=config, tree=trees):
             if piece := pieces.add(step.text, step.done):
                 yield piece
 
 
-class Requests:
-    """Requests decoded together, as text: a Batch whose rows carry their answers so far. Each request joins with
-    `add` (its prefill) and leaves when done: EOS, its token budget, or a stop string (cut where the string starts,
-    the token that completes it kept). `add` and `step` return (key, Step) per request that moved; `Step.finish`:
-    why it ended, at its last."""
-
-    def __init__(self, medusa: MedusaModel):
-        self.medusa, self.batch = medusa, Batch(medusa.model, medusa.heads, medusa.compiled)
-        self.by_row: dict[Row, tuple[object, GenerationConfig, Answer]] = {}  # row -> (key, config, answer)
-
-    def __len__(self) -> int:
-        return len(self.by_row)
-
-    def add(self, key, ids: torch.Tensor, config: GenerationConfig, model: MedusaModel | None = None
-            ) -> list[tuple[object, Step]]:
-        """Prefills ids [T]; `model`: a view of the same weights with the request's own tree (server.request_model)."""
-        model = model or self.medusa
-        row = self.batch.join(ids, config, model.trees, model.eos_ids, self.medusa.generator(config), model.corpus)
-        self.by_row[row] = (key, config, Answer(self.medusa.decode))
-        return [self.advance(row, [row.root], 0)]
-
-    def step(self) -> list[tuple[object, Step]]:
-        """One forward pass for every request running."""
-        return [self.advance(row, new, size) for row, new, size in self.batch.step()] if self.batch.rows else []
-
-    def drop(self, key) -> None:
-        """Ends a request before it is done (its client went away)."""
-        row = next(row for row, request in self.by_row.items() if request[0] == key)
-        self.finish(row)
-
-    def advance(self, row: Row, new: list[int], tree_size: int) -> tuple[object, Step]:
-        key, config, answer = self.by_row[row]
-        start, generated = len(answer.tokens), answer.tokens
-        text = answer.add(new)
-        stop_at = first_stop(text, config.stop)
-        if stop_at is not None:  # keep the tokens up to the one that completes the stop string
-            end = next(n for n in range(start + 1, len(generated) + 1)
-                       if first_stop(self.medusa.decode(generated[:n]), config.stop) is not None)
-            new, text = new[: end - start], text[:stop_at]
-            del generated[end:]
-        finish = None
-        if stop_at is not None or row.done:
-            finish = "stop" if stop_at is not None or generated[-1] in self.medusa.eos_ids else "length"
-            self.finish(row)
-            text = text if stop_at is not None else self.medusa.decode(generated)  # the whole answer, once
-        return key, Step(new, text, tree_size, finish, min(row.drafted, len(new)))
-
-    def finish(self, row: Row) -> None:
-        del self.by_row[row]
-        if row in self.batch.rows:
-            self.batch.leave(row)
-
-
-def check_text(text: str) -> None:
-    """Text a tokenizer can take: a lone UTF-16 surrogate ("\\ud800" in JSON) is a Python string but no Unicode."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise ValueError(f"the prompt is not valid Unicode text: {error.reason} at character {error.start} "
-                         f"({text[error.start]!r})") from None
-
-
-def check_max_batch(max_batch: int) -> None:
-    if not isinstance(max_batch, int) or max_batch < 1:
-        raise ValueError(f"max_batch must be a positive integer, got {max_batch!r}")
-
-
-def admit(waiting: deque, running: int, max_batch: int) -> list:
-    """Takes from the front of `waiting` what may join `running` requests in a batch of at most `max_batch`: how both
-    MedusaModel.run_batch and the server's Scheduler admit requests."""
-    check_max_batch(max_batch)
-    return [waiting.popleft() for _ in range(min(len(waiting), max_batch - running))]
-
-
-def record(out: GenerationOutput, step: Step) -> None:
-    out.token_ids += step.tokens
-    out.accept_lengths.append(len(step.tokens))
-    out.tree_sizes.append(step.tree_size)
-    out.drafted.append(step.drafted)
-    out.text, out.finish = step.text, step.finish
-
-
-class Answer:
-    """An answer's tokens and its text as they come: each step decodes only its last few tokens after a window of
-    earlier ones (vLLM's incremental detokenizing; decoding the whole answer at every step grows with it), and holds
-    back a piece that ends inside a character until the tokens that complete it arrive."""
-
-    def __init__(self, decode):
-        self.decode, self.tokens, self.text = decode, [], ""
-        self.window = self.read = 0  # tokens[window:read] decode to the end of `text`; tokens[read:] are not in it
-
-    def add(self, new: list[int]) -> str:
-        """Appends `new` -> the text so far."""
-        self.tokens += new
-        before = self.decode(self.tokens[self.window : self.read])
-        after = self.decode(self.tokens[self.window :])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before) :]
-            self.window, self.read = self.read, len(self.tokens)
-        return self.text
-
-
-class TextPieces:
-    """What of an answer's text is safe to show: not an incomplete character nor what may turn into a stop string,
-    until the answer is done."""
-
-    def __init__(self, stops: tuple[str, ...]):
-        self.stops, self.sent = stops, 0
-
-    def add(self, text: str, done: bool = False) -> str:
-        """The answer so far -> the new text safe to show (all of the rest when done)."""
-        ready = len(text) if done else max(len(text) - held_back(text, self.stops), self.sent)
-        piece, self.sent = text[self.sent : ready], ready
-        return piece
-
-
-def first_stop(text: str, stops: tuple[str, ...]) -> int | None:
-    hits = [i for i in (text.find(s) for s in stops if s) if i >= 0]
-    return min(hits) if hits else None
-
-
-def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """How many trailing characters may still turn into a stop string or a whole character."""
-    if text.endswith("\ufffd"):
-        return 1
-    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+def fastest_kernels(model: PreTrainedModel, tokenizer, heads: MedusaHeads, kernels: str) -> str:
+    """kernels="auto" on a CPU in float32 where the native kernels build: of stock, native and q8, the fastest on
+    `model` with `heads`, timed once per setup (calibrate.choose_kernels); any other choice as it is."""
+    if kernels != "auto" or not cpu_float32(model.device, model.dtype) or not native_available():
+        return kernels
+    return choose_kernels(model, heads, lambda name: MedusaModel(model, tokenizer, heads, kernels=name))

@@ -55,9 +55,10 @@ def forward(model: PreTrainedModel, weights: list[tuple], tokens: torch.Tensor, 
     cos, sin = inner.rotary_emb(x, positions)
     columns = lengths[:, None] + torch.arange(tokens.shape[1], device=lengths.device)
     outputs = [x]  # transformers' hidden_states, where the heads read feature layers
+    ops = kernels.native_ops()
     for (input_norm, post_norm, codes, scales, outs, eps, scale), layer in zip(weights, cache.layers):
-        x = kernels.OPS.layer_q8(x, input_norm, post_norm, codes, scales, outs, layer.key_buffer, layer.value_buffer,
-                                 columns, cos, sin, mask[:, 0], eps, scale)
+        x = ops.layer_q8(x, input_norm, post_norm, codes, scales, outs, layer.key_buffer, layer.value_buffer,
+                         columns, cos, sin, mask[:, 0], eps, scale)
         if layers:
             outputs.append(x)
     hidden = inner.norm(x)

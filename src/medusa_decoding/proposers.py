@@ -1,8 +1,9 @@
 """Sources of candidates behind one small interface (transformers' CandidateGenerator, vLLM's proposers): each step
 every Proposer of a row offers a tree of candidates after the root with the tokens it expects them to add; the step
 grafts each offer into one tree (`graft`), verifies it in one pass, and tells every proposer what was verified and
-accepted. The step never asks what kind of proposer it has: the heads (heads_draft.HeadsDraft) and the lookup drafts
-(lookup.LookupDraft) are two; a new source of drafts is one more class with these two calls.
+accepted. The step never asks what kind of proposer it has: the heads (heads_draft.HeadsDraft), the lookup drafts
+(lookup.LookupDraft) and the corpus drafts (corpus.CorpusDraft) are three; a new source of drafts is one more class
+with these two calls. The chain sources weigh their chains alike (`ChainRates`).
 """
 
 import functools
@@ -13,13 +14,13 @@ from typing import Protocol
 
 import torch
 
-from .guard import Ladder, interpolate
+from .guard import Ladder, interpolate, running
 from .tree import Tree, build
 
 DRAFT_RANK = 1 << 16  # a chain's nodes' rank: past any head's top-k, so never one of the heads'
 FIXED_NODE_COST = 0.1  # a node's cost, as a share of a step, where the ladder has no measured latencies
-PRIOR_WEIGHT = 2  # a chain source's prior chance of a token being right counts as this many tokens (`tally`)
-SMOOTHING = 1 / 16  # the weight of a new count once PRIOR_WEIGHT is outweighed: the estimate follows recent chains
+CHAIN_PRIOR_WEIGHT = 2  # a chain source's prior chance of a token being right counts as this many tokens (ChainRates)
+CHAIN_SMOOTHING = 1 / 16  # a new count's weight once the prior is outweighed: the estimate follows recent chains
 APART = 0.5  # a prior's factor for a first token beside the tree's own candidates: right only where they are wrong
 
 
@@ -49,7 +50,8 @@ class Proposal:
     @staticmethod
     def chain(tokens: list[int], gained: float, room: int) -> "Proposal":
         """A chain: each token after the one before it."""
-        return Proposal(build(tuple((DRAFT_RANK,) * depth for depth in range(1, len(tokens) + 1))), tokens, gained, room)
+        tree = build(tuple((DRAFT_RANK,) * depth for depth in range(1, len(tokens) + 1)))
+        return Proposal(tree, tokens, gained, room)
 
 
 @dataclass(eq=False)
@@ -120,23 +122,49 @@ def worth(right: Iterable[tuple[float, bool]], tokens: float, cost: Callable[[in
     return kept, gained
 
 
-def priors(bins: Iterable[float]) -> list[float]:
-    """A chain source's prior chance of a token being right per bin, then per the same bin for a first token beside
-    the tree's own candidates (SoFar.places: its bin + the number of bins), APART as sure: what `tally` starts from."""
-    bins = list(bins)
-    return bins + [p * APART for p in bins]
+class ChainRates:
+    """A chain source's chances and the walk of its chains (lookup.LookupDraft, corpus.CorpusDraft): per bin (what the
+    source was as sure of a token: a match length, a share), the running chance of a chain token being right given
+    the one before was; then per the same bin for a first token beside the step tree's own candidates (SoFar.places:
+    right only where they are all wrong), bin + the number of bins."""
 
+    def __init__(self, priors: Iterable[float]):
+        """priors: each bin's chance before any is counted; beside the tree's candidates, APART as sure."""
+        priors = list(priors)
+        self.right = priors + [p * APART for p in priors]
+        self.counted = [0] * len(self.right)
+        self.bins: list[int] = []  # the bins of the last chain offered
 
-def tally(right: list[float], counted: list[int], bins: list[int], nodes: list[int], path: list[int]) -> None:
-    """After a step that verified a chain's `nodes` (node indices in its tree, in chain order), each of its tokens up
-    to the first one not accepted on `path` moves the running chance right[bin] (the chain token's bin: what its
-    source was as sure of) toward what happened: a mean over the first PRIOR_WEIGHT counts, then SMOOTHING a count."""
-    for depth, (node, b) in enumerate(zip(nodes, bins), start=1):
-        hit = depth < len(path) and path[depth] == node
-        counted[b] += 1
-        right[b] += max(1 / (PRIOR_WEIGHT + counted[b]), SMOOTHING) * (hit - right[b])
-        if not hit:
-            break
+    def offer(self, chain: Iterable[tuple[int, int]], step: SoFar, room: int) -> Proposal:
+        """A chain of (token, its bin), read one pair at a time and only as far as its tokens pay for their nodes
+        (`worth`: a lazy chain stays lazy) -> the proposal of that prefix, keeping `room` nodes."""
+        tokens, kinds, self.bins = [], [], []
+
+        def read():
+            for token, kind in chain:
+                tokens.append(token)
+                kinds.append(kind)
+                yield token
+
+        def chances():
+            for held, apart in step.places(read()):
+                self.bins.append(kinds[len(self.bins)] + len(self.right) // 2 * apart)
+                yield self.right[self.bins[-1]], held
+
+        keep, gained = worth(chances(), step.tokens, step.cost)
+        self.bins = self.bins[:keep]
+        return Proposal.chain(tokens[:keep], gained, room)
+
+    def tally(self, nodes: list[int], path: list[int]) -> None:
+        """After a step that verified the last chain's `nodes` (node indices in its tree, in chain order), each of its
+        tokens up to the first one not accepted on `path` moves its bin's chance toward what happened (guard.running,
+        CHAIN_PRIOR_WEIGHT, CHAIN_SMOOTHING)."""
+        for depth, (node, b) in enumerate(zip(nodes, self.bins), start=1):
+            hit = depth < len(path) and path[depth] == node
+            self.counted[b] += 1
+            self.right[b] = running(self.right[b], hit, self.counted[b], CHAIN_PRIOR_WEIGHT, CHAIN_SMOOTHING)
+            if not hit:
+                break
 
 
 def graft(tree: Tree, tokens: torch.Tensor, proposal: Proposal) -> tuple[Tree, torch.Tensor, list[int]]:
@@ -180,7 +208,8 @@ def step_cost(ladder: Ladder, context: int, batch: int, nodes: int) -> Callable[
     calibrated step latencies per tree size at this context and batch size (linear between sizes, and on past the
     largest at the steeper of its last segment and the whole ladder's slope); FIXED_NODE_COST a node where the ladder
     measured none. More nodes never cost less: a fit's few timed steps can put a larger tree below a smaller one, and
-    a flat or falling last segment would price every draft node at nothing (MODEL_CARD, run 16)."""
+    a flat or falling last segment would price every draft node at nothing (run 16 of
+    benchmarks/results/model_card_log.md)."""
     if len(ladder.trees) == 1:
         return lambda more: 1 + FIXED_NODE_COST * more
     sizes = [tree.num_nodes for tree in ladder.trees]

@@ -41,7 +41,7 @@ class Tree:
     chains: torch.Tensor  # [N+1, D+1] root-to-node indices of every node, PAD-filled
     # per depth d < D: (the nodes at d that have children [n], their children [m], each child's parent among those n
     # [m], those n nodes' chains [n, d+1], each child's rank [m]): what one head call per depth expands
-    # (proposal.candidates)
+    # (candidates.candidates)
     levels: tuple[tuple[torch.Tensor, ...], ...]
 
     @property
@@ -75,7 +75,8 @@ class Tree:
         if self.depth > num_heads:
             raise ValueError(f"tree: depth {self.depth} needs {self.depth} heads, but only {num_heads} exist")
         if vocab_size is not None and self.topk_per_head() > vocab_size:
-            raise ValueError(f"tree: rank {self.topk_per_head() - 1} needs a top-{self.topk_per_head()}, but the vocabulary has {vocab_size} tokens")
+            raise ValueError(f"tree: rank {self.topk_per_head() - 1} needs a top-{self.topk_per_head()},"
+                             f" but the vocabulary has {vocab_size} tokens")
 
 
 def spec_size(spec) -> tuple[int, int]:
@@ -236,6 +237,6 @@ def from_parents(depths: torch.Tensor, parents: torch.Tensor, depth: int) -> tup
 
 def spanning(size: int, depth: int) -> Tree:
     """A tree of `size` candidates as deep as any within `depth` (a chain, then siblings of its first node): the shape
-    of a step whose nodes are chosen at each step (proposal.confident_tree)."""
+    of a step whose nodes are chosen at each step (candidates.confident_tree)."""
     deep = min(size, depth)
     return build(tuple((0,) * d for d in range(1, deep + 1)) + tuple((r,) for r in range(1, size - deep + 1)))

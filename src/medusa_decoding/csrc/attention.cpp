@@ -1,8 +1,8 @@
 // medusa::attention(q, k, v, mask, scale) = softmax(q k^T * scale) v over the keys each query may see, for the few
 // queries of a MEDUSA step, computed so that a query's output depends only on the keys it sees, taken in position
 // order: a tree node attending to the prefix and its ancestors gets bitwise what the same token gets in a one-token
-// pass over the same keys. SDPA's does not (its tiling depends on the query count and on where masked keys lie:
-// ~1e-7 apart). With batch-invariant linears (linear.cpp) the whole pass is batch-invariant, so MEDUSA's greedy
+// pass over the same keys. SDPA's does not (its tiling depends on the query count and on where masked keys lie).
+// With batch-invariant linears (linear.cpp) the whole pass is batch-invariant, so MEDUSA's greedy
 // output is plain decoding's bit for bit, whatever the kernels round (int8 activations included).
 //
 // The queries of a kv group (its query heads, for every tree node) go through the keys together, a tile at a time,

@@ -4,8 +4,8 @@
 // summed in integers with the blocks' integer sub-block scales, then scaled once in float32 per super-block. The
 // integer sums are exact whatever the instructions, and the float32 operations are the same scalar ones in the same
 // order on every path (scalar, AVX2): the same bits everywhere, and a token's output does not depend on the tokens
-// beside it. Over a tree the blocks' codes are unpacked once for up to 8 tokens: integer dot products do 16x the
-// work of float32 FMAs per instruction, so extra candidates cost little.
+// beside it. Over a tree the blocks' codes are unpacked once for up to 8 tokens: integer dot products do several
+// times the work of float32 FMAs per instruction, so extra candidates cost little.
 #include <ATen/Parallel.h>
 
 #include <algorithm>

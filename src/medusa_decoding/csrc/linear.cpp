@@ -464,7 +464,8 @@ at::Tensor check_x(const at::Tensor& x, int64_t K, const char* op) {
 // whose codes are interleaved 4 by 4: lane r of an integer dot-product instruction (VNNI's vpdpbusd: 64 products)
 // sums 4 products of row r, so that 16 rows' block sums build up in one register and one 4-byte broadcast of x
 // feeds 16 rows. No horizontal sums, and the unpacked codes serve up to 8 tokens: over a tree the integer
-// instructions do 4x the work of float32 FMAs per instruction (linear_blocks is float32 FMA-bound from one token).
+// instructions do several times the work of float32 FMAs per instruction (linear_blocks is float32 FMA-bound from one
+// token).
 //
 // Per row and block, every path does the same float32 operations in the same order: acc = fma(sum, d * dx, acc),
 // then for Q4_1 acc = fma(m, dx * sum(q), acc) (the offset term). Integer sums are exact whatever the instructions,
@@ -633,9 +634,8 @@ void q8_group(const Q8& a, int64_t g, int64_t m0) {
   for (int i = 0; i < MT; i++) std::memcpy(a.y + (m0 + i) * a.N + g * ROWS, acc[i], sizeof(float) * rows);
 }
 
-// the last `left` (<= MT) tokens of a group from token m, in one pass: a tree of 4 to 6 candidates is then one pass
-// over the codes, not 4 tokens' and then the rest's (a SmolLM2 gate projection over 5 / 6 / 7 tokens on a Zen 4: 20 /
-// 24 / 27 us, in two passes 22-26 / 29-30 / 31-32)
+// the last `left` (<= MT) tokens of a group from token m, in one pass: a tree of 4 to 6 candidates then streams the
+// codes once, not once for 4 tokens and again for the rest
 template <class P, int BITS, int MT>
 void q8_tail(const Q8& a, int64_t g, int64_t m, int64_t left) {
   if constexpr (MT > 0) {

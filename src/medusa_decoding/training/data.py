@@ -60,7 +60,8 @@ def messages(record: dict) -> list[dict]:
         for turn in record.get("conversations", record.get("messages")):
             speaker = turn.get("from", turn.get("role"))
             if speaker not in ROLES:
-                raise ValueError(f"record {record_id(record)!r}: unknown speaker {speaker!r}, expected one of {sorted(ROLES)}")
+                raise ValueError(f"record {record_id(record)!r}: unknown speaker {speaker!r}, expected one of "
+                                 f"{sorted(ROLES)}")
             out.append({"role": ROLES[speaker], "content": str(turn.get("value", turn.get("content", "")))})
         return out
     if "turns" in record:

@@ -1,5 +1,5 @@
 """Self-distillation: the base model answers the seed prompts itself, every turn a row of one continuously batched
-decode (model.Requests, plain steps: the same engine and kernels that serve).
+decode (text.Requests, plain steps: the same engine and kernels that serve).
 
 Heads trained on the model's own answers learn what it will say, not what another model said (the MEDUSA paper's
 recipe when the original training data is unavailable). A conversation's next user turn joins the batch as soon as
@@ -23,10 +23,12 @@ from tqdm import tqdm
 
 from ..config import DistillConfig, GenerationConfig
 from ..conversation import is_raw
-from ..model import MedusaModel, Requests, admit
+from ..model import MedusaModel
+from ..text import Requests, admit
 from .data import Prompt
 
 SPEAKERS = {"user": "human", "assistant": "gpt"}  # ShareGPT's names for the chat roles
+DISTILL = DistillConfig()  # distill's settings unless given others (frozen: one instance serves every call)
 
 
 @dataclass
@@ -69,7 +71,7 @@ def record(prompt: Prompt, chat: list[dict]) -> dict:
     return {"id": prompt.id, "conversations": [{"from": SPEAKERS[m["role"]], "value": m["content"]} for m in chat]}
 
 
-def distill(medusa: MedusaModel, prompts: list[Prompt], output: str | Path, config: DistillConfig = DistillConfig(),
+def distill(medusa: MedusaModel, prompts: list[Prompt], output: str | Path, config: DistillConfig = DISTILL,
             progress: bool = True) -> DistillStats:
     """Appends the model's conversation for every prompt whose id `output` lacks, up to `config.batch_size` turns
     decoded together. A conversation whose next turn would pass the context ends with the turns before it (none:

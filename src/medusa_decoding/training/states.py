@@ -1,8 +1,7 @@
 """The frozen backbone's states at every answer position, computed once for a MEDUSA-1 run with position_batch, and
-kept on disk in parts as they are computed: on a CPU they are most of a run's time (about 20 minutes per million
-tokens for SmolLM2-135M on 2 cores), so a run killed while computing them goes on from its last part, not from the
-start. Each part names its conversations by their content, so a run on more data (or another split of it) computes
-the new conversations' states only."""
+kept on disk in parts as they are computed: on a CPU they are most of a run's time, so a run killed while computing
+them goes on from its last part, not from the start. Each part names its conversations by their content, so a run on
+more data (or another split of it) computes the new conversations' states only."""
 
 import hashlib
 import json
@@ -19,7 +18,7 @@ from ..heads import MedusaHeads
 from .positions import answer_mask, answer_positions
 
 logger = logging.getLogger(__name__)
-PART = 256  # conversations a part file holds: about a minute and a half of SmolLM2's states on 2 cores
+PART = 256  # conversations a part file holds: the most of its work a run killed while computing states loses
 FIELDS = ("state", "targets", "path", "ahead")
 
 
@@ -43,7 +42,8 @@ class AnswerStates(torch.utils.data.Dataset):
         found = stored(store)  # conversation key -> (part file, first position, positions)
         missing = sorted({key: i for i, key in enumerate(keys) if key not in found}.values(),
                          key=lambda i: len(examples[i]["input_ids"]))  # batches of alike lengths: little padding
-        with tqdm(total=len(examples), initial=len(examples) - len(missing), desc=f"states of {what}", unit="conv") as bar:
+        with tqdm(total=len(examples), initial=len(examples) - len(missing), desc=f"states of {what}",
+                  unit="conv") as bar:
             for start in range(0, len(missing), PART):
                 part = [examples[i] for i in missing[start: start + PART]]
                 path = write_part(store, [keys[i] for i in missing[start: start + PART]],

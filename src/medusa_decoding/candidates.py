@@ -1,5 +1,5 @@
-"""The heads' proposal over a tree: every node's token, for a batch of rows at once, in fixed shapes per tree (the
-compiled engine runs it inside its step's graph)."""
+"""The heads' candidates for a tree's nodes: every node's token, for a batch of rows at once, in fixed shapes per tree
+(the compiled engine runs them inside its step's graph)."""
 
 import torch
 
@@ -31,7 +31,7 @@ def candidates(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, 
 
 def confident_tree(heads, lm_head, embed, hidden: torch.Tensor, root: torch.Tensor, size: int
                    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """heads_draft.propose_confident in fixed shapes, for a batch (what a compiled step runs in its graph): hidden
+    """heads_draft.guess_confident in fixed shapes, for a batch (what a compiled step runs in its graph): hidden
     [B, S], root [B] -> each row's tree of its `size` likeliest candidates: tokens [B, size + 1] (the root first) and
     tree.padded's tensors per row (tree.from_parents). Every depth keeps its `size` likeliest nodes, each expanded
     with its `size` likeliest children; a tie across depths that leaves a chosen node without its parent makes it

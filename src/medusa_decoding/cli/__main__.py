@@ -1,0 +1,5 @@
+"""`python -m medusa_decoding.cli`: the `medusa` command."""
+
+from . import main
+
+main()
