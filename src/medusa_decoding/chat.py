@@ -39,7 +39,7 @@ def answer(medusa: MedusaModel, session: Session, config: GenerationConfig, out:
     """Streams the reply to the history (raw: as raw text, conversation.py); counts its tokens, forward passes and
     time into the session."""
     start, reply, pieces = time.perf_counter(), "", TextPieces(config.stop)
-    for step in medusa.steps(messages=session.messages, raw=raw, config=config):
+    for step in medusa.each_step(messages=session.messages, raw=raw, config=config):
         session.tokens += len(step.tokens)
         session.forward_passes += 1
         piece = pieces.add(step.text, step.done)

@@ -301,7 +301,7 @@ class MedusaModel:
         generator.manual_seed(config.seed if config.seed is not None else torch.seed())
         return generator
 
-    def steps(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None, tree=None
+    def each_step(self, prompt=None, *, messages=None, raw=False, config: GenerationConfig, streamer=None, tree=None
               ) -> Iterator[Step]:
         """Yields a Step after each forward pass, stop strings applied; tree: this call's own (`trees_for`)."""
         trees = self.trees_for(tree)
@@ -340,7 +340,7 @@ class MedusaModel:
                 out.add_step(step)
             return outputs
         out, start = GenerationOutput(), time.perf_counter()
-        for step in self.steps(prompt, messages=messages, raw=raw, config=config, streamer=streamer, tree=trees):
+        for step in self.each_step(prompt, messages=messages, raw=raw, config=config, streamer=streamer, tree=trees):
             out.first_token_seconds = out.first_token_seconds or time.perf_counter() - start
             out.add_step(step)
         out.seconds = time.perf_counter() - start
@@ -370,7 +370,7 @@ class MedusaModel:
                     yield index, piece
             return
         pieces = TextPieces(config.stop)
-        for step in self.steps(prompt, messages=messages, raw=raw, config=config, tree=trees):
+        for step in self.each_step(prompt, messages=messages, raw=raw, config=config, tree=trees):
             if piece := pieces.add(step.text, step.done):
                 yield piece
 
