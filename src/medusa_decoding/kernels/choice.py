@@ -46,7 +46,7 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
     """auto: compiled on a GPU where torch.compile runs (else stock, saying why once), native on a CPU in float32
-    where it builds (MedusaModel times stock, native and q8 there instead: calibrate.choose_kernels), else stock.
+    where it builds (from_pretrained times stock, native and q8 there instead: model.fastest_kernels), else stock.
     q8 as native. compiled runs anywhere torch.compile does; compiled-q8 where both q8 and torch.compile do."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
