@@ -8,8 +8,9 @@ SmolLM2's answers: Apache-2.0). Each record becomes one of three texts, the kind
 - dialogue: "User: <prompt>\\nAssistant: <the answer's first sentence>", a transcript.
 
 usage: python3 data/prompts/raw.py --out raw_prompts.jsonl [--limit N]
-Writes seed records {"id", "source", "prompt"} (`medusa distill --raw` reads them). None is a benchmark's: the
-conversations' prompts were checked against them when they were built (build.py).
+Writes seed records {"id", "source", "prompt"} (`medusa distill --raw` reads them). None is a benchmark's: the check
+build.py applied to the conversations' prompts is applied again to the whole text, SmolLM2's words included (a
+generic phrase of an answer can run 10 words along a benchmark's turn).
 """
 
 import argparse
@@ -17,6 +18,8 @@ import hashlib
 import json
 import lzma
 from pathlib import Path
+
+from build import benchmark_shingles, shingles
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCE = ROOT / "data" / "distilled" / "smollm2_mix.jsonl.xz"
@@ -43,7 +46,7 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--limit", type=int)
     args = parser.parse_args()
-    records = []
+    records, banned, dropped = [], benchmark_shingles(), 0
     with lzma.open(SOURCE, "rt", encoding="utf-8") as f:
         for line in f:
             record = json.loads(line)
@@ -51,13 +54,17 @@ def main() -> None:
             if len(turns) < 2 or turns[0]["from"] != "human":
                 continue
             kind = KINDS[int(hashlib.sha256(record["id"].encode()).hexdigest(), 16) % len(KINDS)]
-            if (text := raw_prompt(kind, turns[0]["value"], turns[1]["value"])) is not None:
-                records.append({"id": f"raw-{record['id']}", "source": f"raw:{kind}", "prompt": text})
+            if (text := raw_prompt(kind, turns[0]["value"], turns[1]["value"])) is None:
+                continue
+            if shingles(text) & banned:
+                dropped += 1
+                continue
+            records.append({"id": f"raw-{record['id']}", "source": f"raw:{kind}", "prompt": text})
     records.sort(key=lambda r: hashlib.sha256(r["id"].encode()).hexdigest())  # the sources' prompts mixed
     records = records[: args.limit]
     Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
     counts = {kind: sum(r["source"] == f"raw:{kind}" for r in records) for kind in KINDS}
-    print(f"{len(records)} raw prompts -> {args.out} ({counts})")
+    print(f"{len(records)} raw prompts -> {args.out} ({counts}); {dropped} dropped for sharing words with a benchmark")
 
 
 if __name__ == "__main__":
