@@ -38,6 +38,9 @@ from medusa_decoding.config import CalibrateConfig
 from medusa_decoding.tree import Tree
 
 KERNELS = ("stock", "native", "q8", "native-float32", "compiled", "compiled-q8", "int8", "bf16")
+# the setups the library offers: name -> (kernels, engine)
+OFFERED = {"stock": ("stock", "eager"), "native": ("native", "eager"), "q8": ("q8", "eager"),
+           "compiled": ("native", "compiled"), "compiled-q8": ("q8", "compiled")}
 SIZES = (0, 1, 2, 3, 5, 7, 15, 31, 63)  # candidates: passes over 1, 2, 3, 4, 6, 8, 16, 32, 64 tokens
 ROUNDS = 5  # each round times every size on every kernel (2 steps each), the kernels taking turns
 PROMPTS, NEW_TOKENS = 6, 64
@@ -57,8 +60,8 @@ def main() -> None:
     kernels += tuple(f"{name}@{isa}" for isa in others for name in ("native", "q8") if name in kernels)
 
     base = MedusaModel.from_pretrained(kernels="stock")
-    models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, name)
-              for name in ("stock", "native", "q8", "compiled", "compiled-q8") if name in kernels}
+    models = {name: MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree, *setup)
+              for name, setup in OFFERED.items() if name in kernels}
     if "native-float32" in kernels:
         models["native-float32"] = MedusaModel(copy.deepcopy(base.model), base.tokenizer, base.heads, base.tree,
                                                "native")

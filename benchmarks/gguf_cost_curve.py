@@ -9,6 +9,7 @@ step's cost does not depend on the weights' values.
 Each instruction set runs in a process of its own (MEDUSA_ISA); JSON, a table and a plot under --out.
 
     python benchmarks/gguf_cost_curve.py --models smollm2 gemma3 1b 3b 8b --isa avx512 avx2 --kernels q8 native
+    python benchmarks/gguf_cost_curve.py --models gemma3 --kernels q8 --engine compiled
 """
 
 import argparse
@@ -64,8 +65,8 @@ def tokens_at(table: dict, n: int) -> float:
     return table[lower] + (table[upper] - table[lower]) * (n - lower) / (upper - lower)
 
 
-def measure(name: str, path: Path, kernels: str, context: int, repeats: int, threads: int) -> dict:
-    """One model on one kernel choice, in this process's instruction set."""
+def measure(name: str, path: Path, kernels: str, engine: str, context: int, repeats: int, threads: int) -> dict:
+    """One model on one kernel choice and engine, in this process's instruction set."""
     import torch
 
     from medusa_decoding import MedusaModel, llamacpp
@@ -77,8 +78,9 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
     torch.set_num_threads(threads)
     paths, simulated = tokens_a_step()
     start = time.perf_counter()
-    medusa = MedusaModel.from_pretrained(path, kernels=kernels, tree=[[0]])
+    medusa = MedusaModel.from_pretrained(path, kernels=kernels, engine=engine, tree=[[0]])
     load_s = time.perf_counter() - start
+    engine = "compiled" if medusa.compiled else "eager"  # "auto" as it resolved
     # the heads guess over GUESS_VOCAB tokens, as calibrated heads do (the shipped ones: 4096): untrained heads over a
     # whole vocabulary would time their guesses, not the tree
     ops.set_guess_vocab(medusa.model, torch.arange(GUESS_VOCAB))
@@ -100,6 +102,7 @@ def measure(name: str, path: Path, kernels: str, context: int, repeats: int, thr
     del llama
     return {
         "model": name, "file": str(path), "file_gib": path.stat().st_size / 2**30, "kernels": kernels,
+        "engine": engine,
         "isa": ops.variant(), "threads": threads, "context": context, "load_s": load_s, "peak_rss_gib": rss_gib,
         "plain_ms": plain * 1e3, "llama_cpp_ms": llama_s[0] * 1e3, "llama_cpp_4_tokens_ms": llama_s[1] * 1e3,
         "plain_vs_llama_cpp": llama_s[0] / plain,
@@ -117,7 +120,7 @@ def plot(results: list[dict], out: Path) -> None:
 
     fig, (cost, speed) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in results:
-        label = f"{r['model']} {r['kernels']} {r['isa']}"
+        label = f"{r['model']} {r['kernels']} {r.get('engine', '')} {r['isa']}"
         ns = [int(n) for n in r["candidates"]]
         cost.plot(ns, [c["vs_plain"] for c in r["candidates"].values()], marker="o", label=label)
         speed.plot(ns, [c["predicted_speedup"] for c in r["candidates"].values()], marker="o", label=label)
@@ -151,6 +154,7 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["smollm2", "gemma3", *SHAPES],
                         choices=["smollm2", "gemma3", *SHAPES])
     parser.add_argument("--kernels", nargs="+", default=["q8", "native"])
+    parser.add_argument("--engine", default="auto", help="the engine every run decodes on (MedusaModel's engine)")
     parser.add_argument("--isa", nargs="+", default=None, help="instruction sets, each a process (default: this CPU's)")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
@@ -164,14 +168,15 @@ def main() -> None:
         for name in args.models:
             path = model_file(name, args.files)
             for kernels in args.kernels:
-                print(json.dumps(measure(name, path, kernels, args.context, args.repeats, args.threads)), flush=True)
+                record = measure(name, path, kernels, args.engine, args.context, args.repeats, args.threads)
+                print(json.dumps(record), flush=True)
         return
     results = []
     for isa in args.isa or [None]:
         env = {**os.environ, **({"MEDUSA_ISA": isa} if isa else {})}
         command = [sys.executable, __file__, "--worker", "--models", *args.models, "--kernels", *args.kernels,
-                   "--context", str(args.context), "--repeats", str(args.repeats), "--threads", str(args.threads),
-                   "--files", str(args.files)]
+                   "--engine", args.engine, "--context", str(args.context), "--repeats", str(args.repeats),
+                   "--threads", str(args.threads), "--files", str(args.files)]
         run = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=True)
         results += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -100,7 +100,7 @@ def end_to_end(device: torch.device, dtype: torch.dtype, questions: Path, turns:
     both on the device step too."""
     heads_dir = shipped_heads()
     tree = greedy_trees(read_accuracy(heads_dir).accuracy, [SMOL_CANDIDATES])[0]
-    medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device=device, dtype=dtype, kernels="compiled")
+    medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device=device, dtype=dtype, engine="compiled")
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     decoders = {"medusa": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n)),
                 "plain": lambda ids, n=NEW_TOKENS: medusa.generate(ids, config=replace(config, max_new_tokens=n,

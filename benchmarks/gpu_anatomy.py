@@ -158,7 +158,7 @@ def main() -> None:
     heads_dir = shipped_heads()
     tree = greedy_trees(read_accuracy(heads_dir).accuracy, [SMOL_CANDIDATES])[0]
     medusa = MedusaModel.from_pretrained(heads=heads_dir, tree=tree, device="cuda", dtype=torch.bfloat16,
-                                         kernels="compiled")
+                                         engine="compiled")
     chosen = read_questions([args.questions], per_category=1)[:6]
     prompts = [medusa.encode(messages=[{"role": "user", "content": q.turns[0]}]) for q in chosen]
     report["turns"] = turns(medusa, prompts, args.out)

@@ -4,7 +4,7 @@
 # All 80 questions take 65-95 minutes on a 2-core Xeon; `--per-category 3` (48 turns) 20-28 minutes. Extra
 # arguments go to `medusa bench` (later ones win), e.g. a smoke run:
 #   OUT=benchmarks/results/smoke_cpu benchmarks/mt_bench_cpu.sh --limit 2 --max-new-tokens 32
-# --kernels compiled runs MEDUSA and plain decoding through torch.compile (a few minutes of compiling first).
+# --engine compiled runs MEDUSA and plain decoding through torch.compile (a few minutes of compiling first).
 # On a shared, busy CPU add --threads 1 (torch's default, one per core, spin-waits against other processes).
 # Default heads: the shipped hydra heads (MODEL_CARD.md); other heads: --heads DIR, or beside them: --rival.
 set -euo pipefail

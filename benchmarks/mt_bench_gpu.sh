@@ -24,7 +24,7 @@ for kind in ("heads-hydra", "heads"):  # each heads' own greedy trees of 16 and 
         open(f"{sys.argv[1]}/{kind}{tree.num_nodes - 1}.json", "w").write(json.dumps([list(p) for p in tree.paths]))
 PY
 "$PYTHON" -c 'import sys; from medusa_decoding.cli import main; main(sys.argv[1:])' bench \
-    --questions "$QUESTIONS" --per-category 1 --temperature 0 --max-new-tokens 256 --kernels compiled \
+    --questions "$QUESTIONS" --per-category 1 --temperature 0 --max-new-tokens 256 --engine compiled \
     --heads $ASSETS/heads-hydra --tree confident:64 --rival "static64=@$trees/heads-hydra64.json" \
     --rival "static16=@$trees/heads-hydra16.json" --rival "medusa64=$ASSETS/heads@$trees/heads64.json" \
     --json "$OUT.json" --plot "$OUT.png" "$@"

@@ -163,6 +163,13 @@ def variant(name: str, machine: str) -> str:
     return ", float32" if "fp32" in words else ""
 
 
+def setup(record: dict) -> str:
+    """The kernels a run's record names, and the compiled engine where it ran on it (records from before the engine
+    was a setting of its own name it in their kernels: compiled, compiled-q8)."""
+    engine = ", compiled engine" if record.get("engine") == "compiled" else ""
+    return (record.get("kernels") or "default kernels") + engine
+
+
 def number(value: object) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -183,7 +190,7 @@ def bench_report(entry: Entry, data: dict, machine: str, named: bool) -> None:
     heads = (f"shipped {kind}" if shipped(config) else "untrained heads" if config.get("heads_trained") is False
              else f"{kind} from {Path(given).name}")
     build = variant(entry.name, machine)
-    engine = (config.get("kernels") or "default kernels") + build
+    engine = setup(config) + build
     turns, tokens = overall.get("turns"), config.get("max_new_tokens")
     benchmark = f"{questions(config)}, {turns} turns, {tokens} tokens"
     entry.what = f"`medusa bench`: {benchmark}; {heads}, {engine}"
@@ -269,14 +276,14 @@ def cost_curve(entry: Entry, rows: list, machine: str, named: bool) -> None:
             continue
         build = ", AVX2 build" if row.get("isa") == "avx2" and not any(c in machine for c in AVX2_ONLY) else ""
         line = Row(machine, f"one plain step, {row.get('context')}-token context (cost curve)", model,
-                   f"{row.get('kernels')}{build}", None, 1000 / plain, 1000 / llama,
+                   f"{setup(row)}{build}", None, 1000 / plain, 1000 / llama,
                    key=(machine, "cost curve", model, build))
         if line.key not in fastest or line.plain > fastest[line.key].plain:  # of a file's kernels, the fastest
             fastest[line.key] = line
     entry.rows += fastest.values()
     entry.model = ", ".join(dict.fromkeys(models)) or MISSING
     entry.headline = "plain step against llama.cpp's: " + ", ".join(
-        f"{model} {row['plain_vs_llama_cpp']:.2f}x ({row.get('kernels')}, {row.get('isa')})"
+        f"{model} {row['plain_vs_llama_cpp']:.2f}x ({setup(row)}, {row.get('isa')})"
         for model, row in first.items() if number(row.get("plain_vs_llama_cpp")))
 
 

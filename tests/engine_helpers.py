@@ -15,6 +15,7 @@ from medusa_decoding.decoding import Batch
 from medusa_decoding.eager import Eager, prefill, step_forward
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads import MedusaHeads
+from medusa_decoding.kernels import resolve_kernels, use_kernels
 from medusa_decoding.tree import Tree
 
 WEIGHT_STD = 0.3  # tiny models at their init scale (0.02) repeat one token; this makes them wander
@@ -35,6 +36,12 @@ def lively_model(family: str, attn: str = "sdpa", seed: int = 0, **kw):
             if parameter.ndim == 2:
                 parameter.copy_(torch.randn(parameter.shape, generator=generator) * WEIGHT_STD)
     return model
+
+
+def on_compiled_engine(model):
+    """`model` (in place) switched for the compiled engine, on the kernels "auto" names untimed (native where they
+    build on a CPU in float32)."""
+    return use_kernels(model, resolve_kernels("auto", model.device, model.dtype), compiled=True)
 
 
 def random_heads(model, num_heads: int = 4, seed: int = 0, kind: str = "medusa", feature_layers=()) -> MedusaHeads:

@@ -158,7 +158,7 @@ def test_nothing_compiles_on_the_clock(tiny, questions, monkeypatch):
     """The compiled engine compiles each tree size on its first step: the untimed warm-up must run every tree the
     guard may pick (and a rival's, and plain steps), or a timed turn holds seconds of compiling."""
     trees = (PLAIN, *(Tree.from_spec(spec) for spec in ([[0]], [[0], [1]], TREE)))
-    medusa = tiny.with_heads(tiny.heads, Tree.from_spec(TREE), compiled=True)
+    medusa = tiny.with_heads(tiny.heads, Tree.from_spec(TREE), engine="compiled")
     medusa.trees = Ladder(trees, (1.0,) * 4, (1,), ((1.0,) * 4,))
     # the guard moves up the ladder as a turn goes on: the largest tree only after the warm-up's 8 tokens
     def choose(guard, context, batch=1, pooled=None):
@@ -166,7 +166,7 @@ def test_nothing_compiles_on_the_clock(tiny, questions, monkeypatch):
         return ladder[min(len(guard.generated) // 3, len(ladder) - 1)], watched  # None: plain decoding's root alone
 
     monkeypatch.setattr(Guard, "choose", choose)
-    rivals = {"wide": tiny.with_heads(tiny.heads, Tree.from_spec([3, 2]), compiled=True)}
+    rivals = {"wide": tiny.with_heads(tiny.heads, Tree.from_spec([3, 2]), engine="compiled")}
     graphs, original = [], decoders_module.run_decoder
 
     def counting(name, medusa, ids, config, llama=None, rivals=None):
@@ -473,4 +473,4 @@ def test_a_malformed_rival_fails_before_loading(spec, message):
     with pytest.raises(ValueError, match=message):
         rival_specs([spec])
     assert rival_specs(["c=+compiled", "e=dir@[[0]]+eager", "t=@confident:4"]) == [
-        ("c", None, "auto", True), ("e", "dir", "[[0]]", False), ("t", None, "confident:4", None)]
+        ("c", None, "auto", "compiled"), ("e", "dir", "[[0]]", "eager"), ("t", None, "confident:4", None)]

@@ -7,7 +7,15 @@ import copy
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler
-from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads, verify
+from engine_helpers import (
+    OracleHeads,
+    decode,
+    greedy_reference,
+    lively_model,
+    on_compiled_engine,
+    random_heads,
+    verify,
+)
 
 from medusa_decoding import cache as kv
 from medusa_decoding import compiled, device_acceptance
@@ -19,7 +27,6 @@ from medusa_decoding.decoding import PLAIN, Batch, Row
 from medusa_decoding.eager import Eager, prefill
 from medusa_decoding.guard import Ladder
 from medusa_decoding.heads_draft import guess, guess_confident
-from medusa_decoding.kernels import use_kernels
 from medusa_decoding.tree import Tree, padded
 
 PROMPT = torch.tensor([17, 3, 88, 41, 5, 60, 29, 72, 11, 94, 38, 50])
@@ -43,7 +50,7 @@ def tokens_of(model, heads, prompt, tree, new_tokens, eager=False):
 @needs_compiler
 def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family):
     model = lively_model(family, seed=FAMILIES.index(family))
-    engine = use_kernels(copy.deepcopy(model), "compiled")
+    engine = on_compiled_engine(copy.deepcopy(model))
     # the oracle's paths are accepted deep and cut at every depth: the moves and the greedy rule see real work
     # (the two oracles' tables of the same size: a compiled step runs the heads inside its graph)
     long_prompt, new_tokens = PROMPT.repeat(3), (40, 16)
@@ -71,7 +78,7 @@ def test_compiled_engine_decodes_as_generate_with_one_graph_per_tree_size(family
                          ids=["medusa", "fused", "hydra", "hydra confident"])
 def test_compiled_batch_decodes_each_row_as_alone(kind, layers, confident):
     model = lively_model("qwen2")
-    engine = use_kernels(copy.deepcopy(model), "compiled")
+    engine = on_compiled_engine(copy.deepcopy(model))
     prompts = (PROMPT, PROMPT[:5], PROMPT.repeat(2))  # rows of different lengths: placed writes, masked holes
     budgets = (30, 12, 21)  # rows leave at different steps
     batch = Batch(engine, random_heads(engine, feature_layers=layers, kind=kind), compiled=True)
@@ -89,7 +96,7 @@ def test_a_greedy_row_beside_sampled_rows_on_the_device_decodes_as_alone(monkeyp
     """A batch's rows greedy and sampled (rejection with top-k, typical) in one device step (device_acceptance's
     rules, per row): the greedy row decodes as generate, and no step goes through the host."""
     model = lively_model("llama", seed=1)
-    engine = use_kernels(copy.deepcopy(model), "compiled")
+    engine = on_compiled_engine(copy.deepcopy(model))
     reference = greedy_reference(model, PROMPT, 24)
     heads = OracleHeads(engine, torch.cat([PROMPT, torch.tensor(reference)]))
     monkeypatch.setattr(Compiled, "verify", None)  # the host's step: not taken
@@ -110,7 +117,7 @@ def test_confident_steps_leave_the_tree_they_are_shaped_like_as_it_was():
     """A confident step writes each step's tree over its buffers, which start as tree.padded's tensors of its shape
     (tree.spanning: here the chain of 2, a tree any request may verify): they must be copies, not those cached
     tensors (they were: the chain's later requests verified the last confident tree's mask)."""
-    model = use_kernels(lively_model("llama"), "compiled")
+    model = on_compiled_engine(lively_model("llama"))
     heads, chain = random_heads(model), Tree.from_spec([1, 1])
     before = [t.clone() for t in padded(chain, chain.num_nodes, torch.device("cpu"))]
     tokens_of(model, heads, PROMPT, Ladder.fixed(Tree.from_spec([2]), True), 12)
@@ -125,7 +132,7 @@ def test_steps_run_ahead_decode_as_steps_in_turn_as_rows_join_leave_and_windows_
     row's steps move to a wider attended window (kv.attend) and grow the cache. Each row decodes what it decodes
     alone, step for step."""
     model = lively_model("llama", seed=2)
-    engine = use_kernels(copy.deepcopy(model), "compiled")
+    engine = on_compiled_engine(copy.deepcopy(model))
     prompts, budgets = (PROMPT, PROMPT[:5], PROMPT.repeat(21)), (30, 9, 40)  # 252 + 40 tokens: past 256 columns
     references = [greedy_reference(model, p, n) for p, n in zip(prompts, budgets)]
     heads = OracleHeads(engine, torch.cat([PROMPT, torch.tensor(references[0])]))
@@ -160,7 +167,7 @@ def test_a_prefill_in_passes_of_a_few_tokens_gives_what_a_whole_one_does(family)
     one-row cache holds the long one's entries past it): the same logits, heads' input state and cache entries; the
     graph of a pass has no break (with heads that read a layer's output, which transformers records through hooks
     that it installs at the first pass asking for them)."""
-    model = use_kernels(lively_model(family), "compiled")
+    model = on_compiled_engine(lively_model(family))
     engine = Compiled(model, random_heads(model, feature_layers=(1,)))
     engine.prefill_chunk = 8
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
@@ -310,7 +317,7 @@ def test_a_compiled_step_reads_the_device_once_and_a_second_request_compiles_not
     launched one ahead over windows (as on a GPU): one graph (compiled whole: fullgraph), one read of the device a
     step, counted where the engine routes its reads (compiled.read) and at every tensor method that reads values; a
     second request, at another context length, compiles nothing new."""
-    model = use_kernels(lively_model("llama"), "compiled")
+    model = on_compiled_engine(lively_model("llama"))
     heads = random_heads(model)
     config = GenerationConfig(max_new_tokens=16, **sampling)
 

@@ -276,7 +276,7 @@ def test_smollm_medusa_equals_generate(smollm, smol_reference, heads):
 def test_smollm_compiled_engine_equals_generate(smollm, smol_reference):
     ids, expected = smol_reference
     draft = OracleHeads(smollm.model, torch.cat([ids, torch.tensor(expected)]))
-    out = MedusaModel(smollm.model, smollm.tokenizer, draft, Tree.from_spec(DEFAULT_TREE), "compiled").generate(
+    out = MedusaModel(smollm.model, smollm.tokenizer, draft, Tree.from_spec(DEFAULT_TREE), engine="compiled").generate(
         SMOL_PROMPT, max_new_tokens=NEW_TOKENS)
     assert out.token_ids == expected
     assert out.acceleration_rate > MIN_TOKENS_PER_STEP
@@ -312,7 +312,7 @@ def test_smollm_on_q8_kernels_medusa_is_plain_decoding_to_the_token():
 def test_smollm_on_the_compiled_q8_engine_medusa_is_plain_decoding_to_the_token():
     """The fast CPU path (compiled engine, 8-bit activations): lossless against plain decoding on the same engine, with
     the shipped heads taken often, and near the float32 model's own greedy answer."""
-    fast = MedusaModel.from_pretrained(kernels="compiled-q8", tree=WIDE_SPARSE)
+    fast = MedusaModel.from_pretrained(kernels="q8", engine="compiled", tree=WIDE_SPARSE)
     assert fast.compiled and any(isinstance(m, Q8Linear) for m in fast.model.modules())
     medusa, plain = (fast.generate(SMOL_PROMPT, max_new_tokens=NEW_TOKENS, medusa=on) for on in (True, False))
     assert medusa.token_ids == plain.token_ids and plain.steps == len(plain.token_ids)

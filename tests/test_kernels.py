@@ -47,6 +47,7 @@ from medusa_decoding.kernels import (
     q8_pack,
     reads_blocks,
     reset_kernels,
+    resolve_engine,
     resolve_kernels,
     set_guess_vocab,
     stock_kernels,
@@ -460,10 +461,15 @@ def test_resolve_kernels():
     assert resolve_kernels("auto", torch.device("cpu"), torch.bfloat16) == "stock"
     assert resolve_kernels("stock", torch.device("cpu"), torch.float32) == "stock"
     if compile_error("cpu") is None:
-        assert resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16) == "compiled"
+        assert resolve_engine("compiled", torch.device("cpu"))
     else:
-        with pytest.raises(ValueError, match="kernels='compiled' cannot run here: no C.. compiler"):
-            resolve_kernels("compiled", torch.device("cpu"), torch.bfloat16)
+        with pytest.raises(ValueError, match="engine='compiled' cannot run here: no C.. compiler"):
+            resolve_engine("compiled", torch.device("cpu"))
+    assert not resolve_engine("auto", torch.device("cpu")) and not resolve_engine("eager", torch.device("cpu"))
+    with pytest.raises(ValueError, match="kernels must be one of .*, got 'compiled'"):
+        resolve_kernels("compiled", torch.device("cpu"), torch.float32)  # an engine, not kernels
+    with pytest.raises(ValueError, match="engine must be one of .*, got 'native'"):
+        resolve_engine("native", torch.device("cpu"))
     if native_build() is not None:
         with pytest.raises(ValueError, match="kernels='native' cannot run here: .*compiler"):
             resolve_kernels("native", torch.device("cpu"), torch.float32)
@@ -864,11 +870,11 @@ def test_a_tree_pass_gives_every_node_the_bits_of_one_token_passes(family, kerne
 
 
 @needs_native
-@pytest.mark.parametrize(("family", "kernels_name"), [("llama", "q8"), ("qwen2", "q8"), ("gpt2", "q8"),
-                                                      pytest.param("llama", "compiled-q8", marks=needs_compiler),
-                                                      pytest.param("gpt2", "compiled-q8", marks=needs_compiler)])
-def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family, kernels_name):
-    model, compiled = use_kernels(gguf_model(family), kernels_name), kernels_name == "compiled-q8"
+@pytest.mark.parametrize(("family", "compiled"), [("llama", False), ("qwen2", False), ("gpt2", False),
+                                                  pytest.param("llama", True, marks=needs_compiler),
+                                                  pytest.param("gpt2", True, marks=needs_compiler)])
+def test_greedy_medusa_on_q8_kernels_is_plain_decoding_on_them(family, compiled):
+    model = use_kernels(gguf_model(family), "q8", compiled)
     assert any(isinstance(m, Q8Linear) for m in model.modules())
     config = GenerationConfig(max_new_tokens=NEW_TOKENS)
     plain = [t for step, _ in decode(model, None, PROMPT, replace(config, medusa=False), PLAIN, compiled=compiled)

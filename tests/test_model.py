@@ -339,7 +339,7 @@ def test_a_warm_up_compiles_what_its_requests_then_run(smollm, ladder, fields):
     """On the compiled engine: after warm_up, requests of another prompt and length decoded as the warm-up's config
     says compile nothing (the guard's picks on the host's path, fixed and confident trees on the device step)."""
     base = tiny_model("llama", vocab_size=len(smollm.tokenizer))
-    medusa = MedusaModel(base, smollm.tokenizer, random_heads(base), ladder, kernels="compiled")
+    medusa = MedusaModel(base, smollm.tokenizer, random_heads(base), ladder, engine="compiled")
     config = GenerationConfig(max_new_tokens=24, **fields)
     medusa.warm_up("Hello there", config)
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from conftest import FAMILIES, needs_compiler, needs_native
-from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, random_heads
+from engine_helpers import OracleHeads, decode, greedy_reference, lively_model, on_compiled_engine, random_heads
 from scipy.stats import chisquare
 
 from medusa_decoding import acceptance, device_acceptance
@@ -175,7 +175,7 @@ def compiled_copy(model, monkeypatch):
     if compile_error("cpu") is not None:
         pytest.skip(f"torch.compile: {compile_error('cpu')}")
     monkeypatch.setattr(Compiled, "verify", None)  # the host's step: not taken
-    return use_kernels(copy.deepcopy(model), "compiled")
+    return on_compiled_engine(copy.deepcopy(model))
 
 
 def test_filters_change_the_distribution(small_model):

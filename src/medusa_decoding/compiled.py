@@ -1,4 +1,4 @@
-"""The compiled engine (`--kernels compiled`): every step of a fixed shape, compiled once per tree size. `Compiled` is
+"""The compiled engine (`--engine compiled`): every step of a fixed shape, compiled once per tree size. `Compiled` is
 an engine.Engine, as eager.Eager is.
 
 Eager `transformers` runs a step as hundreds of small ops and Python module calls around the few that matter; on a

@@ -27,13 +27,12 @@ from .formats import ADAPTER_DIR, MERGED_DIR, TREE_NAME
 from .guard import Ladder
 from .heads import MedusaHeads
 from .kernels import (
-    COMPILED,
-    Q8,
     NativeLinear,
     cpu_float32,
     native_available,
     native_linears,
     reset_kernels,
+    resolve_engine,
     resolve_kernels,
     set_guess_vocab,
     use_kernels,
@@ -85,10 +84,12 @@ class MedusaModel:
         heads: MedusaHeads,
         tree: Tree | Ladder | None = None,
         kernels: str = "stock",
+        engine: str = "eager",
     ):
         """tree: the one every step verifies, or a Ladder the guard picks from step by step (`--tree auto`); a call
-        may name its own (`trees_for`). kernels: what runs the model (kernels.resolve_kernels: "auto" untimed;
-        from_pretrained times them on a CPU, `fastest_kernels`); anything but "stock" changes `model` in place."""
+        may name its own (`trees_for`). kernels: what runs the model's layers (kernels.resolve_kernels: "auto"
+        untimed; from_pretrained times them on a CPU, `fastest_kernels`); anything but stock kernels on the eager
+        engine changes `model` in place. engine: what runs the steps (kernels.resolve_engine)."""
         config = model.config.get_text_config()
         heads.check_compatible(config.hidden_size, model.get_output_embeddings().out_features, model.name_or_path,
                                config.num_hidden_layers)
@@ -98,10 +99,10 @@ class MedusaModel:
         self.heads_dir: Path | None = None  # where from_pretrained found the heads (and any calibration)
         self.corpus: CorpusIndex | None = None  # the index of the model's answers found with them (corpus.py)
         self.kernels = resolve_kernels(kernels, model.device, model.dtype)
-        use_kernels(model, self.kernels)
+        self.compiled = resolve_engine(engine, model.device)  # decodes on the compiled engine (compiled.py)
+        use_kernels(model, self.kernels, self.compiled)
         if any(isinstance(m, NativeLinear) for m in model.modules()):
-            native_linears(self.heads, q8=self.kernels in Q8)
-        self.compiled = self.kernels in COMPILED  # decodes on the compiled engine (compiled.py), else eagerly
+            native_linears(self.heads, q8=self.kernels == "q8")
         self.trees = self.checked(tree if tree is not None else
                                   Tree.from_spec([p for p in DEFAULT_TREE if len(p) <= heads.config.num_heads]))
         self.eos_ids = eos_ids(model, tokenizer)
@@ -159,6 +160,7 @@ class MedusaModel:
         dtype: torch.dtype | None = None,
         device: str | torch.device | None = None,
         kernels: str = "auto",
+        engine: str = "auto",
     ) -> "MedusaModel":
         """Base model (a GGUF file, an embedded model's name, a directory or hub id; None: the embedded default) plus
         heads (directory; None: the heads shipped for the model, an embedded one's, else untrained). A MEDUSA-2
@@ -171,11 +173,11 @@ class MedusaModel:
             "confident": auto's sizes, but each step's candidates are the likeliest that many under the heads' own
             probabilities (heads_draft.guess_confident); "confident:N": N of them every step.
         device/dtype: default to CUDA in bfloat16 where a GPU exists, else the CPU in float32.
-        kernels: "auto" (compiled on a GPU; on a CPU in float32 where the native kernels build, the fastest here of
-            stock, native and q8: `fastest_kernels`; else stock), "stock",
-            "native", "q8" (native with 8-bit activations on GGUF blocks: faster, approximate) or "compiled" (the
-            compiled engine, compiled.py: fixed-shape steps through torch.compile; each tree size compiles on first
-            use) or "compiled-q8" (the compiled engine with q8's linears).
+        kernels: "auto" (on a CPU in float32 where the native kernels build, the fastest here of stock, native and
+            q8: `fastest_kernels`; else stock), "stock", "native" or "q8" (native with 8-bit activations on GGUF
+            blocks: faster, approximate).
+        engine: "auto" (compiled on a GPU where torch.compile runs, else eager), "eager" or "compiled" (compiled.py:
+            fixed-shape steps through torch.compile; each tree size compiles on first use).
         """
         tree = parse_tree(tree)  # a malformed tree fails before the model loads
         cuda = torch.cuda.is_available()
@@ -201,13 +203,12 @@ class MedusaModel:
             config = base.config.get_text_config()
             heads = MedusaHeads(HeadsConfig(config.hidden_size, config.vocab_size, num_heads, num_layers, projection,
                                             base.name_or_path), base.get_output_embeddings())
-        return cls.assemble(base, tokenizer, heads, tree, kernels)
+        return cls.assemble(base, tokenizer, heads, tree, kernels, engine)
 
     @classmethod
     def assemble(cls, base: PreTrainedModel, tokenizer, heads: str | os.PathLike | MedusaHeads, tree, kernels: str,
-                 compiled: bool | None = None) -> "MedusaModel":
-        """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained);
-        compiled: on the compiled engine or not, whatever the kernels (default: as they say)."""
+                 engine: str = "auto") -> "MedusaModel":
+        """A loaded base model with heads (a directory: with its tree.json and its calibration; see from_pretrained)."""
         heads_dir = Path(heads) if isinstance(heads, (str, os.PathLike)) else None
         tree = parse_tree(tree)
         mode = tree if isinstance(tree, Mode) else None  # a tree picked once the calibration is read
@@ -217,8 +218,10 @@ class MedusaModel:
             heads = MedusaHeads.from_pretrained(heads_dir, vocab_size=base.get_output_embeddings().weight.shape[0])
             if given is None and (heads_dir / TREE_NAME).is_file():
                 given = parse_tree(json.loads((heads_dir / TREE_NAME).read_text()))
-        medusa = cls(base, tokenizer, heads, given, fastest_kernels(base, tokenizer, heads, kernels))
-        medusa.heads_dir, medusa.compiled = heads_dir, medusa.compiled if compiled is None else compiled
+        compiled = resolve_engine(engine, base.device)
+        kernels = kernels if compiled else fastest_kernels(base, tokenizer, heads, kernels)  # timed eagerly
+        medusa = cls(base, tokenizer, heads, given, kernels, "compiled" if compiled else "eager")
+        medusa.heads_dir = heads_dir
         calibration = None
         if heads_dir is not None:
             medusa.corpus = CorpusIndex.load(heads_dir)
@@ -229,13 +232,13 @@ class MedusaModel:
             medusa.trees = medusa.mode_trees(mode, calibration)
         return medusa
 
-    def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto", compiled: bool | None = None
+    def with_heads(self, heads: str | os.PathLike | MedusaHeads, tree="auto", engine: str | None = None
                    ) -> "MedusaModel":
-        """Other heads (or the same with another tree, or on the other engine: `compiled`) on this base model, its
-        weights and kernels shared (`medusa bench --rival`). The guess vocabulary is the model's: the one these heads
-        were calibrated with from then on; so is the corpus index, unless the heads' directory has its own."""
+        """Other heads (or the same with another tree, or on another engine) on this base model, its weights and
+        kernels shared (`medusa bench --rival`). The guess vocabulary is the model's: the one these heads were
+        calibrated with from then on; so is the corpus index, unless the heads' directory has its own."""
         view = self.assemble(self.model, self.tokenizer, heads, tree, self.kernels,
-                             self.compiled if compiled is None else compiled)
+                             engine or ("compiled" if self.compiled else "eager"))
         if view.corpus is None:
             view.corpus = self.corpus
         return view

@@ -85,6 +85,7 @@ def benchmark(medusa: MedusaModel, questions: list[Question], config: Generation
                                                                                   result["overall"]["new_tokens"])
     vocab = getattr(guess_projection(medusa.model), "rows", None)  # the tokens the heads guess from; None: all
     result["config"].update(model=medusa.model.name_or_path, kernels=medusa.kernels,
+                            engine="compiled" if medusa.compiled else "eager",
                             num_heads=medusa.heads.config.num_heads, tree=[list(path) for path in medusa.tree.paths],
                             guess_vocab=None if vocab is None else len(vocab), repeat=repeat)
     if accuracy is not None:

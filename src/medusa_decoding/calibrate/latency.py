@@ -21,10 +21,6 @@ from ..kernels import Q8_KINDS, block_codes, code_digest, cpu_variants, reads_bl
 from ..tree import Tree
 from .tree_search import DEFAULTS, Calibration, choose_tree, fit_sizes, greedy_trees
 
-# what runs where a bench rival decodes the model's kernels (key) on the other engine: its latency is that one's
-ON_THE_OTHER_ENGINE = {("stock", True): "compiled", ("native", True): "compiled", ("q8", True): "compiled-q8",
-                       ("compiled", False): "native", ("compiled-q8", False): "q8"}
-
 
 def latency_contexts(medusa, trees: list[Tree], config: CalibrateConfig = DEFAULTS) -> list[int]:
     """config.latency_contexts, each cut to what the model's context leaves room for beside the largest tree and
@@ -168,14 +164,14 @@ def device_name(device: torch.device) -> str:
 
 
 def setup(medusa) -> str:
-    """What a step latency holds for: the device, the model's dtype and its kernels (and whether they read blocks, and
+    """What a step latency holds for: the device, the model's dtype, its kernels (and whether they read blocks, and
     the instruction set they were built for where $MEDUSA_ISA forces one this CPU would not pick: the AVX2 build on
-    an AVX-512 machine stands for an AVX2 machine, and its trees are fitted as there)."""
+    an AVX-512 machine stands for an AVX2 machine, and its trees are fitted as there) and the engine."""
     dtype = str(medusa.model.dtype).removeprefix("torch.")
     blocks = " on GGUF blocks" if reads_blocks(medusa.model) else ""
-    kernels = ON_THE_OTHER_ENGINE.get((medusa.kernels, medusa.compiled), medusa.kernels)
+    engine = " on the compiled engine" if medusa.compiled else ""
     forced = f", {variant()} build" if medusa.model.device.type == "cpu" and variant() != cpu_variants()[0] else ""
-    return f"{device_name(medusa.model.device)}, {dtype}, {kernels} kernels{blocks}{forced}"
+    return f"{device_name(medusa.model.device)}, {dtype}, {medusa.kernels} kernels{blocks}{forced}{engine}"
 
 
 def choose_kernels(model, heads, medusa_on, config: CalibrateConfig = DEFAULTS) -> str:

@@ -6,7 +6,7 @@ from dataclasses import fields
 
 from ..config import ACCEPTANCE_RULES, CalibrateConfig, DistillConfig, GenerationConfig, ServerConfig, TrainConfig
 from ..embedded import MODELS as EMBEDDED
-from ..kernels import KERNELS
+from ..kernels import ENGINES, KERNELS
 
 GENERATION = GenerationConfig()
 SERVER = ServerConfig()
@@ -30,13 +30,15 @@ def add_model_arguments(parser: argparse.ArgumentParser, heads: bool = True, ker
                             "probabilities; confident:N: N such candidates a step")
     if kernels:
         parser.add_argument("--kernels", choices=KERNELS, default="auto",
-                            help="kernels: auto (compiled on a GPU; on a CPU in float32 the fastest of stock, native "
-                            "and q8, timed once on this machine), stock, native (exact: batch-invariant few-token "
-                            "linears and attention, built once per machine; $MEDUSA_ISA forces an instruction set), "
-                            "q8 (native with 8-bit activations on GGUF blocks: faster, approximate), "
-                            "compiled (fixed-shape steps through torch.compile, native kernels inside on a CPU: "
-                            "compiling each tree size on first use, then the fastest steps), "
-                            "compiled-q8 (compiled, with q8's linears: the fastest on a CPU, approximate)")
+                            help="what runs the layers: auto (on a CPU in float32 the fastest of stock, native and "
+                            "q8, timed once on this machine; else stock), stock, native (exact: batch-invariant "
+                            "few-token linears and attention, built once per machine; $MEDUSA_ISA forces an "
+                            "instruction set) or q8 (native with 8-bit activations on GGUF blocks: faster, "
+                            "approximate)")
+        parser.add_argument("--engine", choices=ENGINES, default="auto",
+                            help="what runs the steps: auto (compiled on a GPU, else eager), eager or compiled "
+                            "(fixed-shape steps through torch.compile, the kernels inside: compiling each tree size "
+                            "on first use, then the fastest steps; on a CPU with --kernels q8 the fastest setup)")
         parser.add_argument("--dtype", choices=DTYPES, default="auto",
                             help="the model's dtype: auto (bfloat16 on a GPU, float32 on a CPU), float32 or "
                             "bfloat16. Greedy MEDUSA gives plain greedy decoding's tokens exactly where a tree's pass "
@@ -71,8 +73,9 @@ def load(args):
 
     from ..model import MedusaModel
 
-    return MedusaModel.from_pretrained(args.model, args.heads, tree=args.tree, kernels=args.kernels,
-                                       dtype=None if args.dtype == "auto" else getattr(torch, args.dtype))
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    return MedusaModel.from_pretrained(args.model, args.heads, tree=args.tree, kernels=args.kernels, engine=args.engine,
+                                       dtype=dtype)
 
 
 def generation_config(args, **overrides) -> GenerationConfig:

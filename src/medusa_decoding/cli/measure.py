@@ -6,6 +6,7 @@ import sys
 import time
 
 from ..config import ACCEPTANCE_RULES, DEFAULT_MODEL, CalibrateConfig, GenerationConfig
+from ..kernels import ENGINES
 from .arguments import (
     CALIBRATION,
     DATA_HELP,
@@ -18,7 +19,6 @@ from .arguments import (
     read_data,
 )
 
-ENGINES = ("compiled", "eager")  # what a bench rival may decode on (--rival NAME=...+ENGINE)
 UNTRAINED = (
     "heads: UNTRAINED. Fresh heads only repeat the base model's next-token guess, so almost no guess is\n"
     "accepted: this run shows that the machinery works and is lossless, not a speedup (expect MEDUSA to be\n"
@@ -135,8 +135,8 @@ def cmd_bench(args) -> None:
     if not heads_trained(medusa.heads):
         print(UNTRAINED, file=sys.stderr)
     calibration = read_accuracy(medusa.heads_dir) if medusa.heads_dir else None  # predictions need it
-    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree, compiled)
-              for name, heads, tree, compiled in specs}
+    rivals = {name: medusa.with_heads(heads or medusa.heads_dir or medusa.heads, tree, engine)
+              for name, heads, tree, engine in specs}
     report = benchmark(medusa, questions, config, accuracy=calibration.accuracy if calibration else None, sweep=sweep,
                        llama=llama, repeat=args.repeat, rivals=rivals, raw=args.raw)
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, questions=args.questions,
@@ -153,8 +153,8 @@ def cmd_bench(args) -> None:
         plot(report, args.plot)
 
 
-def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str, bool | None]]:
-    """--rival NAME=[DIR][@TREE][+ENGINE] -> (name, heads directory or None, tree, compiled engine or None)."""
+def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str, str | None]]:
+    """--rival NAME=[DIR][@TREE][+ENGINE] -> (name, heads directory or None, tree, engine or None: the model's)."""
     from ..bench import DECODERS, LLAMA_CPP
 
     out = []
@@ -164,9 +164,9 @@ def rival_specs(specs: list[str]) -> list[tuple[str, str | None, str, bool | Non
         heads, _, tree = rest.partition("@")
         if not name or not (rest or plus) or name in DECODERS + (LLAMA_CPP,) or name in {n for n, *_ in out}:
             raise ValueError(f"--rival: NAME=[DIR][@TREE][+ENGINE] with a new name, got {spec!r}")
-        if plus and engine not in ENGINES:
-            raise ValueError(f"--rival: the engine after + is one of {ENGINES}, got {engine!r} in {spec!r}")
-        out.append((name, heads or None, tree or "auto", engine == "compiled" if plus else None))
+        if plus and engine not in ENGINES[1:]:
+            raise ValueError(f"--rival: the engine after + is one of {ENGINES[1:]}, got {engine!r} in {spec!r}")
+        out.append((name, heads or None, tree or "auto", engine if plus else None))
     return out
 
 
@@ -185,7 +185,7 @@ def bench_serving(args, prompts: list[str], config: GenerationConfig) -> None:
                                      args.seconds, repeat=args.repeat)
     report["device"] = device_name(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     report["config"].update(model=args.model or DEFAULT_MODEL.name, heads=args.heads, tree=args.tree,
-                            kernels=args.kernels, questions=args.questions)
+                            kernels=args.kernels, engine=args.engine, questions=args.questions)
     print(loadtest.table(report))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as file:

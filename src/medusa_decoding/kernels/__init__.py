@@ -16,34 +16,35 @@ bit) and reads the blocks instead, decoding them in the kernel to the very same 
 bitwise what float32 weights give, from a fifth (Q4_1) or a third (Q8_0) of the bytes, which lie side by side in
 large pages (`in_large_pages`). Other weights run in float32 as before.
 
-`compiled` is the compiled engine (compiled.py): every step of a fixed shape through `torch.compile`, one graph
-per tree size, with native linears and attention inside on a CPU in float32 where they build. Its first use compiles
-each tree size (inductor's on-disk cache shortens later runs), which a long-running process (`medusa serve`,
-`medusa bench`) wins back.
+Any of them runs on either engine (`engine`: eager, or compiled.py's, every step of a fixed shape through
+`torch.compile`, one graph per tree size, the kernels inside). The compiled engine's first use compiles each tree size
+(inductor's on-disk cache shortens later runs), which a long-running process (`medusa serve`, `medusa bench`) wins
+back.
 
 `q8` reads the same blocks, repacked 16 rows at a time (`q8_pack`), with each token's activations quantized to 8 bits
 per block and integer dot products (`Q8Linear`, llama.cpp's arithmetic; VNNI where the CPU has it): approximate
 (benchmarks/q8_fidelity.py), batch-invariant still, and the fastest from one token to a tree.
-`compiled-q8` runs them on the compiled engine: the fastest CPU setup, for those who accept q8's rounding.
+q8 on the compiled engine is the fastest CPU setup, for those who accept q8's rounding.
 
-`native`, `q8` and the compiled kernels run a step's attention through `invariant_attention` (`csrc/attention.cpp`):
+`native` and `q8` run a step's attention through `invariant_attention` (`csrc/attention.cpp`):
 each query over the keys it sees, in position order, so that a tree node gets bitwise what a one-token pass gives its
-token; with batch-invariant linears a tree pass is then bitwise a run of one-token passes. Without the native build,
-`compiled` runs it through `grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies every key
-and value once per query head that shares them (`repeat_kv`: the whole cache, every layer, every step); SDPA's own
-grouped-query support reads them in place (a 1-token step, which `transformers` already packs, gains nothing).
+token; with batch-invariant linears a tree pass is then bitwise a run of one-token passes. With stock kernels, the
+compiled engine runs it through `grouped_sdpa`: with a mask and more than one query, `transformers`' SDPA copies
+every key and value once per query head that shares them (`repeat_kv`: the whole cache, every layer, every step);
+SDPA's own grouped-query support reads them in place (a 1-token step, which `transformers` already packs, gains
+nothing).
 
 The heads' guesses need no such care: the float32 model verifies every one, so a guess may be approximate and the
-output stays the same. Under native or compiled kernels on a CPU in float32 they go through an int8 copy of the LM
-head (`Int8Linear`, one scale per row): a quarter of the bytes of the largest matrix, read once more every step
-for the guesses alone; the output and the acceptance stay the same. Heads calibrated with a guess vocabulary
-(`set_guess_vocab`) keep only the rows of the tokens answers use most in that copy. Where the LM head reads GGUF
-blocks (the embedded default's tied Q8_0 embedding) the copy is those blocks' rows instead (`BlockRows`): exact, and
-fewer bytes than int8 with its scales.
+output stays the same. Under native kernels, or any on the compiled engine, on a CPU in float32 they go through an
+int8 copy of the LM head (`Int8Linear`, one scale per row): a quarter of the bytes of the largest matrix, read once
+more every step for the guesses alone; the output and the acceptance stay the same. Heads calibrated with a guess
+vocabulary (`set_guess_vocab`) keep only the rows of the tokens answers use most in that copy. Where the LM head
+reads GGUF blocks (the embedded default's tied Q8_0 embedding) the copy is those blocks' rows instead (`BlockRows`):
+exact, and fewer bytes than int8 with its scales.
 
 One module a concern: build.py builds and loads the native library (csrc/) and picks its instruction-set variant;
 linears.py holds the linears, blocks.py the GGUF blocks they read, attention.py the attention functions, guesses.py
-the LM head's copy for the guesses; choice.py names the kernels and switches a model to them and back.
+the LM head's copy for the guesses; choice.py names the kernels and the engines and switches a model to them and back.
 Measured side by side: benchmarks/cpu_kernels.py; the figures, with the machines they were measured on:
 benchmarks/results/ (results_log.md).
 """
@@ -62,14 +63,14 @@ from .build import (
                     variant,
 )
 from .choice import (
-                    COMPILED,
+                    ENGINES,
                     KERNELS,
-                    Q8,
                     compile_error,
                     cpu_float32,
                     native_linears,
                     reads_blocks,
                     reset_kernels,
+                    resolve_engine,
                     resolve_kernels,
                     stock_kernels,
                     use_kernels,
@@ -77,9 +78,9 @@ from .choice import (
 from .guesses import BlockRows, Int8Linear, guess_projection, set_guess_vocab
 from .linears import MAX_ROWS, Q8_PATHS, NativeLinear, Q8Linear, weight_rows
 
-__all__ = ["COMPILED", "GROUPED_ATTENTION", "GROUPED_SDPA", "INVARIANT_ATTENTION", "KERNELS", "LARGE_PAGE", "MAX_ROWS",
-           "Q8", "Q8_KINDS", "Q8_PATHS", "VARIANTS", "VARIANT_ENV", "BlockRows", "Int8Linear", "NativeLinear",
+__all__ = ["ENGINES", "GROUPED_ATTENTION", "GROUPED_SDPA", "INVARIANT_ATTENTION", "KERNELS", "LARGE_PAGE", "MAX_ROWS",
+           "Q8_KINDS", "Q8_PATHS", "VARIANTS", "VARIANT_ENV", "BlockRows", "Int8Linear", "NativeLinear",
            "Q8Linear", "block_codes", "code_digest", "compile_error", "cpu_float32", "cpu_variants", "gguf_codes",
            "guess_projection", "in_large_pages", "load_native", "native_available", "native_build", "native_linears",
-           "native_ops", "q8_pack", "q8_rounded", "reads_blocks", "reset_kernels", "resolve_kernels",
+           "native_ops", "q8_pack", "q8_rounded", "reads_blocks", "reset_kernels", "resolve_engine", "resolve_kernels",
            "set_guess_vocab", "stock_kernels", "use_kernels", "variant", "weight_rows"]

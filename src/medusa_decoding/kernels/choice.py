@@ -19,10 +19,9 @@ from .build import load_native, native_available, native_build
 from .guesses import GUESS_COPY, guess_copy
 from .linears import NativeLinear, Q8Linear, weight_rows
 
-KERNELS = ("auto", "stock", "native", "q8", "compiled", "compiled-q8")
-COMPILED = ("compiled", "compiled-q8")  # the kernels that decode on the compiled engine
-NATIVE = ("native", "q8", "compiled-q8")  # the kernels that need the native build (and a CPU in float32)
-Q8 = ("q8", "compiled-q8")  # the kernels whose linears on GGUF blocks take 8-bit activations
+KERNELS = ("auto", "stock", "native", "q8")
+ENGINES = ("auto", "eager", "compiled")  # what runs the steps: eager.Eager or compiled.Compiled (engine.py)
+NATIVE = ("native", "q8")  # the kernels that need the native build (and a CPU in float32)
 
 
 def compile_error(device: torch.device) -> str | None:
@@ -45,50 +44,56 @@ def cpu_float32(device: torch.device, dtype: torch.dtype) -> bool:
 
 
 def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
-    """auto: compiled on a GPU where torch.compile runs (else stock, saying why once), native on a CPU in float32
-    where it builds (from_pretrained times stock, native and q8 there instead: model.fastest_kernels), else stock.
-    q8 as native. compiled runs anywhere torch.compile does; compiled-q8 where both q8 and torch.compile do."""
+    """auto: native on a CPU in float32 where it builds (from_pretrained times stock, native and q8 there instead:
+    model.fastest_kernels), else stock. q8 as native: a CPU in float32 and the native build."""
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {KERNELS}, got {kernels!r}")
     cpu_fp32 = cpu_float32(device, dtype)
-    if kernels == "auto" and torch.device(device).type == "cuda":
-        if (error := compile_error(device)) is not None:
-            print(f"medusa: compiled engine unavailable, decoding eagerly: {error}", file=sys.stderr)
-        return "stock" if error else "compiled"
     if kernels == "auto":
         return "native" if cpu_fp32 and native_available() else "stock"
-    native = kernels in NATIVE
-    if native and not cpu_fp32:
+    if kernels in NATIVE and not cpu_fp32:
         raise ValueError(f"kernels={kernels!r} runs on the CPU in float32 only, not {torch.device(device)} {dtype}")
-    error = native_build() if native else None
-    error = error or (compile_error(device) if kernels in COMPILED else None)
-    if error is not None:
+    if kernels in NATIVE and (error := native_build()) is not None:
         raise ValueError(f"kernels={kernels!r} cannot run here: {error}")
     return kernels
 
 
-def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
-    """Switches `model` (in place) to `kernels`: every nn.Linear to NativeLinear ("native", "q8", "compiled-q8", and
-    "compiled" on a CPU in float32 where native builds; reading GGUF blocks where its weights are exactly those, with
-    8-bit activations under "q8" and "compiled-q8": Q8Linear); the compiled kernels then decode on the compiled
-    engine (compiled.py, which decoding.Batch runs where MedusaModel's kernels say so). A float32 CPU model gets
-    `invariant_attention` (where native builds, else `grouped_sdpa`) in sdpa's place, and its LM head a copy for the
-    heads' guesses (`guess_copy`, `guess_projection`)."""
-    if kernels == "stock":
+def resolve_engine(engine: str, device: torch.device) -> bool:
+    """Whether the compiled engine runs the steps. auto: on a GPU where torch.compile runs (else eagerly, saying why
+    once), eagerly on a CPU (the compiled engine pays there only with q8's linears: asked for by name)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
+    if engine == "eager" or (engine == "auto" and torch.device(device).type != "cuda"):
+        return False
+    if (error := compile_error(device)) is None:
+        return True
+    if engine == "auto":
+        print(f"medusa: compiled engine unavailable, decoding eagerly: {error}", file=sys.stderr)
+        return False
+    raise ValueError(f"engine='compiled' cannot run here: {error}")
+
+
+def use_kernels(model: nn.Module, kernels: str, compiled: bool = False) -> nn.Module:
+    """Switches `model` (in place) to `kernels`, for the engine that will run it (`compiled`: compiled.py): every
+    nn.Linear to NativeLinear under "native" and "q8" (reading GGUF blocks where its weights are exactly those, with
+    8-bit activations under "q8": Q8Linear). A float32 CPU model gets `invariant_attention` (native, else
+    `grouped_sdpa`) in sdpa's place, a GPU one on the compiled engine `grouped_attention`; and its LM head a copy for
+    the heads' guesses (`guess_copy`, `guess_projection`)."""
+    if kernels == "stock" and not compiled:
         return model
     lm_head = model.get_output_embeddings()
     cpu_fp32 = cpu_float32(lm_head.weight.device, lm_head.weight.dtype)
-    native = kernels in NATIVE or (kernels == "compiled" and cpu_fp32 and native_available())
+    native = kernels in NATIVE
     if native:
         load_native()  # the ops the layers call; where "native" was asked for and cannot be built, a clear error
         on_blocks = []
         gguf = gguf_linears(model)
         for module in gguf:  # llama.cpp's arithmetic for the K-quants where q8's is asked for
-            module.integer = kernels in Q8 and module.kind in (GGML_Q4_K, GGML_Q6_K)
+            module.integer = kernels == "q8" and module.kind in (GGML_Q4_K, GGML_Q6_K)
         for module in native_linears(model) + gguf:
             on_file = "blocks" in module._buffers
-            if (found := gguf_codes(module, kernels in Q8) if on_file else block_codes(module.weight)) is not None:
-                if kernels in Q8 and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
+            if (found := gguf_codes(module, kernels == "q8") if on_file else block_codes(module.weight)) is not None:
+                if kernels == "q8" and (packed := q8_pack(*found)) is not None:  # in the layout Q8Linear reads
                     module.__class__, found = Q8Linear, packed
                 module.register_buffer("codes", found[0], persistent=False)
                 module.register_buffer("scales", found[1], persistent=False)
@@ -98,7 +103,7 @@ def use_kernels(model: nn.Module, kernels: str) -> nn.Module:
     if model.config._attn_implementation == "sdpa" and model._supports_attention_backend:
         if cpu_fp32:
             model.set_attn_implementation(INVARIANT_ATTENTION if native else GROUPED_SDPA)
-        elif kernels in COMPILED and lm_head.weight.is_cuda:
+        elif compiled and lm_head.weight.is_cuda:
             model.set_attn_implementation(GROUPED_ATTENTION)
     if cpu_fp32 and not hasattr(lm_head, GUESS_COPY):
         lm_head.add_module(GUESS_COPY, guess_copy(lm_head))
