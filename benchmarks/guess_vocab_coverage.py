@@ -12,6 +12,7 @@ from collections import defaultdict
 
 from medusa_decoding.base import load_base
 from medusa_decoding.calibrate import read_accuracy
+from medusa_decoding.config import DEFAULT_MODEL
 from medusa_decoding.training.data import (
     IGNORE_INDEX,
     answer_vocab,
@@ -75,8 +76,8 @@ def main() -> None:
             rows.append({"vocabulary": label, "size": len(vocab), "own_tokens": own, "coverage": inside / total,
                          "tokens": total,
                          "per_category": {c: i / t for c, (i, t) in shares.items()}})
-    report = {"train_files": args.train, "train_answer_tokens": sum(label != IGNORE_INDEX for e in train
-                                                                  for label in e["labels"]),
+    trained_on = sum(label != IGNORE_INDEX for e in train for label in e["labels"])
+    report = {"model": args.model or DEFAULT_MODEL.name, "train_files": args.train, "train_answer_tokens": trained_on,
               "heldout": {c: len(e) for c, e in heldout.items()}, "rows": rows,
               "id_threshold_16384": coverage([e for es in heldout.values() for e in es], set(range(16384)), False)}
     print(f"{'vocabulary':>28} {'+ own':>6} {'all':>7}  " + "  ".join(f"{c[-14:]:>14}" for c in sorted(heldout)))
@@ -85,10 +86,10 @@ def main() -> None:
               + "  ".join(f"{row['per_category'][c]:14.3f}" for c in sorted(heldout)))
     with open(args.json, "w") as file:
         json.dump(report, file, indent=1)
-    plot(rows, sorted(heldout), args.png)
+    plot(rows, sorted(heldout), args.png, report["model"])
 
 
-def plot(rows: list[dict], names: list[str], path: str) -> None:
+def plot(rows: list[dict], names: list[str], path: str, model: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,7 +104,7 @@ def plot(rows: list[dict], names: list[str], path: str) -> None:
     ax.set_xticks([n + 0.4 - width / 2 for n in range(len(names))], names, rotation=30, ha="right", fontsize=8)
     ax.set_ylim(0.6, 1.0)
     ax.set_ylabel("answer tokens the heads could guess")
-    ax.set_title("Guess vocabulary coverage on held-out answers (dashed: 0.97)")
+    ax.set_title(f"Guess vocabulary coverage on {model}'s held-out answers (dashed: 0.97)")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     fig.savefig(path, dpi=120)

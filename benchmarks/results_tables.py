@@ -63,8 +63,8 @@ MACHINES = {
 }
 QUESTIONS = {"mt_bench_question.jsonl": "MT-Bench", "spec_bench_dev.jsonl": "Spec-Bench dev",
              "held_out.jsonl": "held-out prompts"}
-MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M", "1b": "Llama-3.2-1B shape",
-          "3b": "Llama-3.2-3B shape", "8b": "Llama-3.1-8B shape", "llama": "Llama 7B shape"}
+MODELS = {"smollm2": "SmolLM2-135M-Instruct", "gemma3": "Gemma 3 270M", "gemma-3-270m": "Gemma 3 270M",
+          "1b": "Llama-3.2-1B shape", "3b": "Llama-3.2-3B shape", "8b": "Llama-3.1-8B shape", "llama": "Llama 7B shape"}
 MISSING = "—"
 COLUMNS = ("MEDUSA tok/s", "plain tok/s", "llama.cpp tok/s", "MEDUSA / plain", "tokens/step", "lossless", "file")
 
@@ -344,6 +344,7 @@ def smaller(entry: Entry, data: dict) -> bool:
         entry.headline = f"{data['identical']} of {data['turns']} answers identical"
     elif "id_threshold_16384" in keys:
         entry.what = "`benchmarks/guess_vocab_coverage.py`: held-out answer tokens inside each guess vocabulary"
+        entry.model = model_name(data.get("model"))
         entry.headline = ", ".join(f"{r['vocabulary']}{' + own tokens' if r.get('own_tokens') else ''} "
                                    f"{r['coverage']:.1%}" for r in data["rows"][:2])
     elif "conversations_indexed" in keys:
