@@ -14,6 +14,8 @@ import math
 import mmap
 import os
 import shutil
+import subprocess
+import sys
 from dataclasses import replace
 
 import numpy as np
@@ -423,6 +425,18 @@ def test_the_native_kernels_build_wherever_a_compiler_is():
         assert native_build().startswith("no C++ compiler")
     else:  # a failing build is a bug in csrc/, not a machine without kernels
         assert native_build() is None, native_build()
+
+
+@needs_native
+def test_a_build_killed_midway_does_not_hang_the_next_process():
+    """torch's build lock, left behind by a process killed while building, made every later process wait for ever;
+    the build's own lock (flock) dies with its process, and under it the stale one is cleared."""
+    stale = kernels.build.build_directory(kernels.variant()) / "lock"
+    stale.touch()
+    loaded = subprocess.run([sys.executable, "-c", "from medusa_decoding import kernels; kernels.load_native()"],
+                            capture_output=True, text=True, timeout=300)
+    assert loaded.returncode == 0, loaded.stderr
+    assert not stale.exists()
 
 
 @needs_native

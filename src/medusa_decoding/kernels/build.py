@@ -5,6 +5,7 @@ into a torch.ops namespace of its own, so that all load side by side; the engine
 else the fastest this CPU runs.
 """
 
+import fcntl
 import functools
 import hashlib
 import os
@@ -54,12 +55,18 @@ def native_build(isa: str | None = None) -> str | None:
     return build_variant(isa or variant())
 
 
+def build_directory(isa: str) -> Path:
+    """Where a variant builds, per Python and torch version."""
+    from ..config import cache_root
+
+    tag = f"{sys.implementation.cache_tag}_torch{torch.__version__}"
+    return cache_root() / "kernels" / f"medusa_kernels_{isa}_{tag}"
+
+
 @functools.cache
 def build_variant(isa: str) -> str | None:
     """native_build's work, once a process per variant: a namespace's ops register once (a second copy aborts)."""
     from torch.utils.cpp_extension import get_cxx_compiler, load
-
-    from ..config import cache_root
 
     if missing := [path.name for path in SOURCES + HEADERS if not path.is_file()]:
         return f"the native kernels' sources are missing from {CSRC}: {', '.join(missing)} (a broken install?)"
@@ -69,17 +76,19 @@ def build_variant(isa: str) -> str | None:
         import ninja
 
         os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
-    name = f"medusa_kernels_{isa}"
-    build = cache_root() / "kernels" / f"{name}_{sys.implementation.cache_tag}_torch{torch.__version__}"
+    name, build = f"medusa_kernels_{isa}", build_directory(isa)
     if not (build / f"{name}.so").exists():
         print(f"medusa: building the native CPU kernels ({isa}) for this machine (once, about 30 s)", file=sys.stderr)
     build.mkdir(parents=True, exist_ok=True)
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]  # rebuilt when they change
     try:  # -Wno-psabi: vectors passed between the functions of one path, all inlined into it
-        load(name, [str(source) for source in SOURCES], extra_cflags=[
-             "-O3", "-fopenmp", "-Wno-psabi", "-ffp-contract=off", "-fvisibility=hidden", f"-DMEDUSA_OPS=medusa_{isa}",
-             f"-DMEDUSA_HEADERS={headers}", *VARIANTS[isa]], extra_ldflags=["-fopenmp"], build_directory=str(build),
-             is_python_module=False)
+        with open(build / "medusa.lock", "w") as guard:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one build at a time, released by the OS when its process dies
+            (build / "lock").unlink(missing_ok=True)  # torch's own, which a process killed mid-build leaves forever
+            load(name, [str(source) for source in SOURCES], extra_cflags=[
+                 "-O3", "-fopenmp", "-Wno-psabi", "-ffp-contract=off", "-fvisibility=hidden",
+                 f"-DMEDUSA_OPS=medusa_{isa}", f"-DMEDUSA_HEADERS={headers}", *VARIANTS[isa]],
+                 extra_ldflags=["-fopenmp"], build_directory=str(build), is_python_module=False)
     except Exception as error:  # the compiler's own output: its first error line says why
         lines = [line.strip() for line in str(error).splitlines() if line.strip()]
         first = next((line for line in lines if "error" in line.lower()), lines[0] if lines else error)
