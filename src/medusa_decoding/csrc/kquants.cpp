@@ -5,13 +5,15 @@
 // integer sums are exact whatever the instructions, and the float32 operations are the same scalar ones in the same
 // order on every path (scalar, AVX2): the same bits everywhere, and a token's output does not depend on the tokens
 // beside it. Over a tree the blocks' codes are unpacked once for up to 8 tokens: integer dot products do several
-// times the work of float32 FMAs per instruction, so extra candidates cost little.
+// times the work of float32 FMAs per instruction, so extra candidates cost little. A one-token step streams the
+// weights once, so the blocks are prefetched far enough ahead (PREFETCH) to hide the memory's latency.
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "ops.h"
@@ -29,6 +31,7 @@ using simd::scales_mins;
 constexpr int64_t QK = 256;       // weights a super-block
 constexpr int64_t TILE_ROWS = 4;  // weight rows a task
 constexpr int MOST = 8;           // tokens a pass over a row's unpacked codes
+constexpr int64_t PREFETCH = 16;  // super-blocks ahead a row's pass asks for (to L1): about 2 KB, DRAM's latency
 constexpr int64_t Q4_K = 12, Q6_K = 14, Q4_K_BYTES = 144, Q6_K_BYTES = 210;
 
 // x as llama.cpp's Q8_K: per 256 values codes q = min(127, round(-127 / max * x)) (max: the value of largest magnitude,
@@ -37,8 +40,8 @@ struct Q8K {
   int64_t M, K;
   std::vector<int8_t> q;      // [M, K]
   std::vector<float> d;       // [M, K / 256]
-  std::vector<int32_t> sums;    // [M, K / 16]
-  std::vector<int32_t> sums32;  // [M, K / 32]
+  std::vector<int16_t> sums;    // [M, K / 16]: |sum| <= 16 * 127
+  std::vector<int16_t> sums32;  // [M, K / 32]: |sum| <= 32 * 127 (AVX2 multiplies them in int16 pairs)
 };
 
 int nearest_int(float v) {  // llama.cpp's: to nearest, ties to even, for |v| < 2^22
@@ -49,8 +52,8 @@ int nearest_int(float v) {  // llama.cpp's: to nearest, ties to even, for |v| < 
 }
 
 Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
-  Q8K a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / QK), std::vector<int32_t>(M * K / 16),
-        std::vector<int32_t>(M * K / 32)};
+  Q8K a{M, K, std::vector<int8_t>(M * K), std::vector<float>(M * K / QK), std::vector<int16_t>(M * K / 16),
+        std::vector<int16_t>(M * K / 32)};
   for (int64_t b = 0; b < M * K / QK; b++) {
     const float* v = x + b * QK;
     float max = 0, amax = 0;
@@ -69,9 +72,9 @@ Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
     for (int s = 0; s < 16; s++) {
       int32_t sum = 0;
       for (int j = 0; j < 16; j++) sum += q[16 * s + j];
-      a.sums[b * 16 + s] = sum;
+      a.sums[b * 16 + s] = int16_t(sum);
     }
-    for (int s = 0; s < 8; s++) a.sums32[b * 8 + s] = a.sums[b * 16 + 2 * s] + a.sums[b * 16 + 2 * s + 1];
+    for (int s = 0; s < 8; s++) a.sums32[b * 8 + s] = int16_t(a.sums[b * 16 + 2 * s] + a.sums[b * 16 + 2 * s + 1]);
     a.d[b] = 1 / iscale;
   }
   return a;
@@ -79,8 +82,8 @@ Q8K quantize_q8k(const float* x, int64_t M, int64_t K) {
 
 // The integer sums of a super-block for MT tokens: sum over its 32-weight groups g of dot(codes of g, x of g), each 16
 // weights' products times their scale. Codes are unsigned (Q4_K: 0-15; Q6_K: 0-63, whose -32 the caller takes off
-// with the sums of x). A Layout gives group g's 32 codes (`bytes`, or `vector` on AVX2) and the scale of its weights
-// 16 * half.. (`scale`).
+// with the sums of x). A Layout gives group g's 32 codes (`bytes`) and the scale of its weights 16 * half..
+// (`scale`).
 struct Scalar {
   template <int MT, class Layout>
   static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
@@ -100,95 +103,24 @@ struct Scalar {
 
 #if defined(__x86_64__)
 #define TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
-
-// AVX2: 32 codes times 32 int8 x as pairs in int16 (maddubs: codes <= 63, so no pair saturates), then each pair of
-// int16 times the scale of its 16 weights into int32 (madd): one add per group and token
-struct Avx2 {
-  template <int MT, class Layout>
-  TARGET_AVX2 static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
-    __m256i acc[MT];
-    for (int m = 0; m < MT; m++) acc[m] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int g = 0; g < 8; g++) {
-      const __m256i c = layout.vector(g);
-      const __m256i s = _mm256_setr_m128i(_mm_set1_epi16(int16_t(layout.scale(g, 0))),
-                                          _mm_set1_epi16(int16_t(layout.scale(g, 1))));
-      for (int m = 0; m < MT; m++) {
-        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[m] + 32 * g));
-        acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(_mm256_maddubs_epi16(c, xv), s));
-      }
-    }
-    for (int m = 0; m < MT; m++) {
-      __m128i v = _mm_add_epi32(_mm256_castsi256_si128(acc[m]), _mm256_extracti128_si256(acc[m], 1));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0x4E));
-      v = _mm_add_epi32(v, _mm_shuffle_epi32(v, 0xB1));
-      out[m] = _mm_cvtsi128_si32(v);
-    }
-  }
-};
+struct Avx2 {};  // the AVX2 path: q4k_block_avx2, q6k_block_avx2
 #else
 #define TARGET_AVX2
 #endif
 
-#if defined(__x86_64__) && defined(__AVX512BW__)
-// AVX-512 (the avx512 variant's build only: an AVX2 build never runs it): two groups a 64-byte vector, the same
-// pairs in int16 and scaled pairs in int32 as AVX2's; a Layout gives groups 2k and 2k + 1 side by side (`pair`) and
-// its scales as int16 lanes (`scales16`), one a SPAN weights
-struct Avx512 {
-  template <int MT, class Layout>
-  static void sums(const Layout& layout, const int8_t* const* x, int32_t* out) {
-    __m512i acc[MT];
-    for (int m = 0; m < MT; m++) acc[m] = _mm512_setzero_si512();
-    const __m512i scales = layout.scales16();  // int16: the scale of each of the super-block's scale spans
-#pragma GCC unroll 4
-    for (int k = 0; k < 4; k++) {
-      const __m512i c = layout.pair(k);
-      alignas(64) int16_t span[32];  // int16 lane j of pair k (weights 64k + 2j, + 1): its scale's index
-      for (int j = 0; j < 32; j++) span[j] = int16_t((64 * k + 2 * j) / Layout::SPAN);
-      const __m512i s = _mm512_permutexvar_epi16(_mm512_load_si512((const void*)span), scales);
-      for (int m = 0; m < MT; m++) {
-        const __m512i xv = _mm512_loadu_si512((const void*)(x[m] + 64 * k));
-        acc[m] = _mm512_add_epi32(acc[m], _mm512_madd_epi16(_mm512_maddubs_epi16(c, xv), s));
-      }
-    }
-    for (int m = 0; m < MT; m++) out[m] = _mm512_reduce_add_epi32(acc[m]);
-  }
-};
-#endif
-
-// Q4_K: group g is sub-block g: code bytes (g / 2) * 32.., low nibbles for even g, high for odd
+// Q4_K on the scalar path: group g is sub-block g: code bytes (g / 2) * 32.., low nibbles for even g, high for odd
 struct Q4KLayout {
-  static constexpr int SPAN = 32;  // weights a scale
   const uint8_t* qs;
   uint8_t sc[8];
   void bytes(int g, uint8_t* codes) const {
     for (int j = 0; j < 32; j++) codes[j] = (qs[g / 2 * 32 + j] >> (4 * (g % 2))) & 15;
   }
-#if defined(__x86_64__)
-  TARGET_AVX2 __m256i vector(int g) const {
-    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + g / 2 * 32));
-    return _mm256_and_si256(g % 2 ? _mm256_srli_epi16(bytes, 4) : bytes, _mm256_set1_epi8(15));
-  }
-#endif
-#if defined(__x86_64__) && defined(__AVX512BW__)
-  __m512i pair(int k) const {  // sub-blocks 2k and 2k + 1: chunk k's low nibbles, then its high ones
-    const __m512i chunk = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * k)));
-    const __m512i shifts = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
-    return _mm512_and_si512(_mm512_srlv_epi16(chunk, shifts), _mm512_set1_epi8(15));
-  }
-  __m512i scales16() const {
-    int64_t eight;
-    std::memcpy(&eight, sc, 8);
-    return _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(eight)));
-  }
-#endif
   int32_t scale(int g, int) const { return sc[g]; }
 };
 
-// Q6_K: group g (h = g / 4, r = g % 4): low 4 bits from ql[h * 64 + (r % 2) * 32 + j] (nibble r / 2), high 2 from
-// qh[h * 32 + j] (bits 2r); an int8 scale per 16 weights
+// Q6_K on the scalar path: group g (h = g / 4, r = g % 4): low 4 bits from ql[h * 64 + (r % 2) * 32 + j] (nibble
+// r / 2), high 2 from qh[h * 32 + j] (bits 2r); an int8 scale per 16 weights
 struct Q6KLayout {
-  static constexpr int SPAN = 16;
   const uint8_t *ql, *qh;
   const int8_t* scales;
   void bytes(int g, uint8_t* codes) const {
@@ -196,36 +128,55 @@ struct Q6KLayout {
     for (int j = 0; j < 32; j++)
       codes[j] = ((ql[h * 64 + (r % 2) * 32 + j] >> (4 * (r / 2))) & 15) | (((qh[h * 32 + j] >> (2 * r)) & 3) << 4);
   }
-#if defined(__x86_64__)
-  TARGET_AVX2 __m256i vector(int g) const {
-    const int h = g / 4, r = g % 4;
-    const __m256i low = _mm256_loadu_si256((const __m256i*)(ql + h * 64 + (r % 2) * 32));
-    const __m256i high = _mm256_loadu_si256((const __m256i*)(qh + h * 32));
-    const __m256i nibble = _mm256_and_si256(_mm256_srli_epi16(low, 4 * (r / 2)), _mm256_set1_epi8(15));
-    const __m256i two = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(high, 2 * r), 4), _mm256_set1_epi8(48));
-    return _mm256_or_si256(nibble, two);
-  }
-#endif
-#if defined(__x86_64__) && defined(__AVX512BW__)
-  __m512i pair(int k) const {  // groups 2k and 2k + 1 (h = k / 2, r = 2 (k % 2) and r + 1)
-    const int h = k / 2, r = 2 * (k % 2);
-    __m512i low = _mm512_loadu_si512((const void*)(ql + h * 64));
-    low = _mm512_and_si512(k % 2 ? _mm512_srli_epi16(low, 4) : low, _mm512_set1_epi8(15));
-    const __m512i high = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qh + h * 32)));
-    const __m512i shifts =
-        _mm512_inserti64x4(_mm512_set1_epi16(int16_t(2 * r)), _mm256_set1_epi16(int16_t(2 * r + 2)), 1);
-    const __m512i two = _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(high, shifts), _mm512_set1_epi8(3)), 4);
-    return _mm512_or_si512(low, two);
-  }
-  __m512i scales16() const {
-    return _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)scales)));
-  }
-#endif
   int32_t scale(int g, int half) const { return scales[2 * g + half]; }
 };
 
-template <class Path, int MT>
-void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums32,
+#if defined(__x86_64__)
+// Q4_K on AVX2 (on AVX-512 CPUs too: 512-bit vectors multiply no faster here): a super-block for MT tokens, each 32
+// code bytes unpacked once (low nibbles: sub-block 2k, high: 2k + 1), their scales spread by a byte shuffle; the minima
+// times the x sums in int16 pairs (madd); a token's two integers reduced in one tree. The integers are the scalar
+// path's exactly, the float32 operations the same.
+template <int MT>
+TARGET_AVX2 inline void q4k_block_avx2(const uint8_t* block, const int8_t* const* x, const float* xd,
+                                       const int16_t* const* xsums32, float* acc) {
+  uint8_t scales_and_mins[16];
+  scales_mins(block + 4, scales_and_mins);
+  const __m256i wide = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)scales_and_mins));
+  const __m256i scales = _mm256_broadcastsi128_si256(_mm256_castsi256_si128(wide));  // int16 sc 0-7, both lanes
+  const __m128i mins = _mm256_extracti128_si256(wide, 1);
+  const __m256i m4 = _mm256_set1_epi8(15);
+  const uint8_t* qs = block + 16;
+  __m256i sums[MT];
+  for (int m = 0; m < MT; m++) sums[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int k = 0; k < 4; k++) {
+    const __m256i bytes = _mm256_loadu_si256((const __m256i*)(qs + 32 * k));
+    const __m256i low = _mm256_and_si256(bytes, m4), high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), m4);
+    // int16 lane e of `scales` is its bytes 2e and 2e + 1: every lane gets sub-block 2k's scale, or 2k + 1's
+    const __m256i s_low = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(((4 * k + 1) << 8) | (4 * k))));
+    const __m256i s_high = _mm256_shuffle_epi8(scales, _mm256_set1_epi16(int16_t(((4 * k + 3) << 8) | (4 * k + 2))));
+    for (int m = 0; m < MT; m++) {
+      const __m256i x_low = _mm256_loadu_si256((const __m256i*)(x[m] + 64 * k));
+      const __m256i x_high = _mm256_loadu_si256((const __m256i*)(x[m] + 64 * k + 32));
+      const __m256i p_low = _mm256_madd_epi16(_mm256_maddubs_epi16(low, x_low), s_low);
+      const __m256i p_high = _mm256_madd_epi16(_mm256_maddubs_epi16(high, x_high), s_high);
+      sums[m] = _mm256_add_epi32(sums[m], _mm256_add_epi32(p_low, p_high));
+    }
+  }
+  const float d = f16_at(block), dmin = f16_at(block + 2);
+  for (int m = 0; m < MT; m++) {
+    const __m128i minima = _mm_madd_epi16(mins, _mm_loadu_si128((const __m128i*)xsums32[m]));
+    const __m128i four = _mm_add_epi32(_mm256_castsi256_si128(sums[m]), _mm256_extracti128_si256(sums[m], 1));
+    __m128i both = _mm_hadd_epi32(four, minima);
+    both = _mm_hadd_epi32(both, both);  // the sum, the minima, the sum, the minima
+    acc[m] = std::fma(float(_mm_cvtsi128_si32(both)), d * xd[m], acc[m]);
+    acc[m] = std::fma(float(_mm_extract_epi32(both, 1)), -(dmin * xd[m]), acc[m]);
+  }
+}
+#endif
+
+template <int MT>
+void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int16_t* const* xsums32,
                float* acc) {
   Q4KLayout layout{block + 16, {}};
   uint8_t scales[16];  // sc 0-7, m 0-7
@@ -233,7 +184,7 @@ void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, co
   scales_mins(block + 4, scales);
   std::memcpy(layout.sc, scales, 8);
   const uint8_t* mn = scales + 8;
-  Path::template sums<MT>(layout, x, sums);
+  Scalar::sums<MT>(layout, x, sums);
   const float d = f16_at(block), dmin = f16_at(block + 2);
   for (int m = 0; m < MT; m++) {
     int32_t minima = 0;  // the offset term: each sub-block's min times the sum of its 32 x codes
@@ -243,12 +194,60 @@ void q4k_block(const uint8_t* block, const int8_t* const* x, const float* xd, co
   }
 }
 
-template <class Path, int MT>
-void q6k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int32_t* const* xsums,
+#if defined(__x86_64__)
+// Q6_K on AVX2: a super-block for MT tokens, a half (128 weights) at a time: its 64 low-nibble bytes and 32 high-bit
+// bytes unpacked once into four groups of 32 codes; each group's two int8 scales spread into int16 halves by a byte
+// shuffle. The codes' -32 is taken off in the integers (each 16 x codes' sum times its scale, in int16 pairs), and a
+// token's total reduced once: the scalar path's integer exactly, the float32 operation the same.
+template <int MT>
+TARGET_AVX2 inline void q6k_block_avx2(const uint8_t* block, const int8_t* const* x, const float* xd,
+                                       const int16_t* const* xsums, float* acc) {
+  const uint8_t *ql = block, *qh = block + 128;
+  const __m128i scales = _mm_loadu_si128((const __m128i*)(block + 192));
+  const __m256i m4 = _mm256_set1_epi8(15), m2 = _mm256_set1_epi8(3);
+  __m256i sums[MT];
+  for (int m = 0; m < MT; m++) sums[m] = _mm256_setzero_si256();
+#pragma GCC unroll 2
+  for (int h = 0; h < 2; h++) {
+    const __m256i low0 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h));
+    const __m256i low1 = _mm256_loadu_si256((const __m256i*)(ql + 64 * h + 32));
+    const __m256i high = _mm256_loadu_si256((const __m256i*)(qh + 32 * h));
+    const __m256i nibbles[4] = {_mm256_and_si256(low0, m4), _mm256_and_si256(low1, m4),
+                                _mm256_and_si256(_mm256_srli_epi16(low0, 4), m4),
+                                _mm256_and_si256(_mm256_srli_epi16(low1, 4), m4)};
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; r++) {  // group g = 4h + r: weights 32g.., scales 2g (the first 16) and 2g + 1
+      const int g = 4 * h + r;
+      const __m256i two = _mm256_and_si256(_mm256_srli_epi16(high, 2 * r), m2);
+      const __m256i codes = _mm256_or_si256(nibbles[r], _mm256_slli_epi16(two, 4));
+      const __m128i spread = _mm_shuffle_epi8(scales, _mm_set_epi64x(0x0101010101010101LL * (2 * g + 1),
+                                                                     0x0101010101010101LL * (2 * g)));
+      const __m256i scale = _mm256_cvtepi8_epi16(spread);
+      for (int m = 0; m < MT; m++) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(x[m] + 32 * g));
+        sums[m] = _mm256_add_epi32(sums[m], _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xv), scale));
+      }
+    }
+  }
+  const __m256i scales16 = _mm256_cvtepi8_epi16(scales);
+  const float d = f16_at(block + 208);
+  for (int m = 0; m < MT; m++) {
+    const __m256i offset = _mm256_madd_epi16(scales16, _mm256_loadu_si256((const __m256i*)xsums[m]));
+    const __m256i total = _mm256_sub_epi32(sums[m], _mm256_slli_epi32(offset, 5));
+    __m128i four = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0x4E));
+    four = _mm_add_epi32(four, _mm_shuffle_epi32(four, 0xB1));
+    acc[m] = std::fma(float(_mm_cvtsi128_si32(four)), d * xd[m], acc[m]);
+  }
+}
+#endif
+
+template <int MT>
+void q6k_block(const uint8_t* block, const int8_t* const* x, const float* xd, const int16_t* const* xsums,
                float* acc) {
   const Q6KLayout layout{block, block + 128, reinterpret_cast<const int8_t*>(block + 192)};
   int32_t sums[MT];
-  Path::template sums<MT>(layout, x, sums);
+  Scalar::sums<MT>(layout, x, sums);
   const float d = f16_at(block + 208);
   for (int m = 0; m < MT; m++) {
     int32_t offset = 0;  // each 16 x codes' sum times their scale: 32 of it is the codes' -32
@@ -265,20 +264,25 @@ void rows(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, 
     float acc[MT] = {};
     const uint8_t* row = blocks + n * per_row * BYTES;
     for (int64_t b = 0; b < per_row; b++) {
-      __builtin_prefetch(row + (b + 4) * BYTES, 0, 0);
-      __builtin_prefetch(row + (b + 4) * BYTES + 64, 0, 0);
-      __builtin_prefetch(row + (b + 4) * BYTES + 128, 0, 0);
+      for (int64_t line = 0; line < BYTES; line += 64) __builtin_prefetch(row + (b + PREFETCH) * BYTES + line, 0, 3);
       const int8_t* x[MT];
-      const int32_t* xsums[MT];  // per 16 (Q6_K) or 32 (Q4_K) codes
+      const int16_t* xsums[MT];    // per 16 codes (Q6_K)
+      const int16_t* xsums32[MT];  // per 32 (Q4_K)
       float xd[MT];
       for (int m = 0; m < MT; m++) {
         x[m] = a.q.data() + (m0 + m) * a.K + b * QK;
-        xsums[m] = TYPE == Q4_K ? a.sums32.data() + ((m0 + m) * per_row + b) * 8
-                                : a.sums.data() + ((m0 + m) * per_row + b) * 16;
+        xsums[m] = a.sums.data() + ((m0 + m) * per_row + b) * 16;
+        xsums32[m] = a.sums32.data() + ((m0 + m) * per_row + b) * 8;
         xd[m] = a.d[(m0 + m) * per_row + b];
       }
-      if (TYPE == Q4_K) q4k_block<Path, MT>(row + b * BYTES, x, xd, xsums, acc);
-      else q6k_block<Path, MT>(row + b * BYTES, x, xd, xsums, acc);
+#if defined(__x86_64__)
+      constexpr bool avx2 = std::is_same_v<Path, Avx2>;
+      if constexpr (avx2 && TYPE == Q4_K) q4k_block_avx2<MT>(row + b * BYTES, x, xd, xsums32, acc);
+      else if constexpr (avx2) q6k_block_avx2<MT>(row + b * BYTES, x, xd, xsums, acc);
+      else
+#endif
+      if constexpr (TYPE == Q4_K) q4k_block<MT>(row + b * BYTES, x, xd, xsums32, acc);
+      else q6k_block<MT>(row + b * BYTES, x, xd, xsums, acc);
     }
     for (int m = 0; m < MT; m++) y[(m0 + m) * N + n] = acc[m];
   }
@@ -305,13 +309,6 @@ template <int64_t TYPE>
 void scalar_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, int64_t n1) {
   all_tokens<Scalar, TYPE>(a, blocks, y, N, n0, n1);
 }
-#if defined(__x86_64__) && defined(__AVX512BW__)
-template <int64_t TYPE>
-__attribute__((flatten)) void avx512_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0,
-                                            int64_t n1) {
-  all_tokens<Avx512, TYPE>(a, blocks, y, N, n0, n1);
-}
-#endif
 #if defined(__x86_64__)
 template <int64_t TYPE>
 TARGET_AVX2 __attribute__((flatten)) void avx2_tokens(const Q8K& a, const uint8_t* blocks, float* y, int64_t N,
@@ -319,14 +316,6 @@ TARGET_AVX2 __attribute__((flatten)) void avx2_tokens(const Q8K& a, const uint8_
   all_tokens<Avx2, TYPE>(a, blocks, y, N, n0, n1);
 }
 #endif
-
-bool has_avx512() {  // in the avx512 variant's build only
-#if defined(__x86_64__) && defined(__AVX512BW__)
-  return __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f");
-#else
-  return false;
-#endif
-}
 
 bool has_avx2() {
 #if defined(__x86_64__)
@@ -348,10 +337,9 @@ at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   const int64_t N = blocks.size(0), K = blocks.size(1) / bytes * QK;
   TORCH_CHECK(x.dim() == 2 && x.size(1) == K && x.scalar_type() == at::kFloat,
               "medusa::linear_k: float32 x [M, K] with K = ", K);
-  // 0 scalar, 1 AVX2, 2 AVX-512 (-1: the fastest this build and CPU run)
-  path = path >= 0 ? path : has_avx512() ? 2 : has_avx2() ? 1 : 0;
-  TORCH_CHECK(path == 0 || (path == 1 && has_avx2()) || (path == 2 && has_avx512()), "medusa::linear_k: path ", path,
-              " does not run on this CPU and build");
+  // 0 scalar, 1 AVX2 (-1: the fastest this CPU runs)
+  path = path >= 0 ? path : has_avx2() ? 1 : 0;
+  TORCH_CHECK(path == 0 || (path == 1 && has_avx2()), "medusa::linear_k: path ", path, " does not run on this CPU");
   const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
   const Q8K a = quantize_q8k(xc.data_ptr<float>(), xc.size(0), K);
   at::Tensor y = xc.new_empty({xc.size(0), N});
@@ -361,9 +349,6 @@ at::Tensor linear_k(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
   Rows run = type == Q4_K ? scalar_tokens<Q4_K> : scalar_tokens<Q6_K>;
 #if defined(__x86_64__)
   if (path == 1) run = type == Q4_K ? avx2_tokens<Q4_K> : avx2_tokens<Q6_K>;
-#endif
-#if defined(__x86_64__) && defined(__AVX512BW__)
-  if (path == 2) run = type == Q4_K ? avx512_tokens<Q4_K> : avx512_tokens<Q6_K>;
 #endif
   at::parallel_for(0, (N + TILE_ROWS - 1) / TILE_ROWS, 8, [&](int64_t begin, int64_t end) {
     run(a, data, Y, N, begin * TILE_ROWS, std::min(N, end * TILE_ROWS));
