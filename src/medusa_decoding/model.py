@@ -219,7 +219,9 @@ class MedusaModel:
             if given is None and (heads_dir / TREE_NAME).is_file():
                 given = parse_tree(json.loads((heads_dir / TREE_NAME).read_text()))
         compiled = resolve_engine(engine, base.device)
-        kernels = kernels if compiled else fastest_kernels(base, tokenizer, heads, kernels)  # timed eagerly
+        # timed on the eager engine; on the compiled one "auto" is resolve_kernels' untimed pick (compiling each to time
+        # it would take minutes)
+        kernels = kernels if compiled else fastest_kernels(base, tokenizer, heads, kernels)
         medusa = cls(base, tokenizer, heads, given, kernels, "compiled" if compiled else "eager")
         medusa.heads_dir = heads_dir
         calibration = None
