@@ -266,22 +266,21 @@ void rows(const Q8K& a, const uint8_t* blocks, float* y, int64_t N, int64_t n0, 
     for (int64_t b = 0; b < per_row; b++) {
       for (int64_t line = 0; line < BYTES; line += 64) __builtin_prefetch(row + (b + PREFETCH) * BYTES + line, 0, 3);
       const int8_t* x[MT];
-      const int16_t* xsums[MT];    // per 16 codes (Q6_K)
-      const int16_t* xsums32[MT];  // per 32 (Q4_K)
+      const int16_t* xsums[MT];  // per 16 (Q6_K) or 32 (Q4_K) codes
       float xd[MT];
       for (int m = 0; m < MT; m++) {
         x[m] = a.q.data() + (m0 + m) * a.K + b * QK;
-        xsums[m] = a.sums.data() + ((m0 + m) * per_row + b) * 16;
-        xsums32[m] = a.sums32.data() + ((m0 + m) * per_row + b) * 8;
+        xsums[m] = TYPE == Q4_K ? a.sums32.data() + ((m0 + m) * per_row + b) * 8
+                                : a.sums.data() + ((m0 + m) * per_row + b) * 16;
         xd[m] = a.d[(m0 + m) * per_row + b];
       }
 #if defined(__x86_64__)
       constexpr bool avx2 = std::is_same_v<Path, Avx2>;
-      if constexpr (avx2 && TYPE == Q4_K) q4k_block_avx2<MT>(row + b * BYTES, x, xd, xsums32, acc);
+      if constexpr (avx2 && TYPE == Q4_K) q4k_block_avx2<MT>(row + b * BYTES, x, xd, xsums, acc);
       else if constexpr (avx2) q6k_block_avx2<MT>(row + b * BYTES, x, xd, xsums, acc);
       else
 #endif
-      if constexpr (TYPE == Q4_K) q4k_block<MT>(row + b * BYTES, x, xd, xsums32, acc);
+      if constexpr (TYPE == Q4_K) q4k_block<MT>(row + b * BYTES, x, xd, xsums, acc);
       else q6k_block<MT>(row + b * BYTES, x, xd, xsums, acc);
     }
     for (int m = 0; m < MT; m++) y[(m0 + m) * N + n] = acc[m];
